@@ -1,0 +1,31 @@
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -e ".[test,bench]"
+	@if $(PY) -c "import torchvision" 2>/dev/null; then echo "torchvision must not be installed"; exit 1; fi
+	touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(VENV)/bin/pytest
+
+demo: install
+	$(PY) examples/demo.py
+
+bench: install
+	$(PY) benchmarks/compile_time.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,249 @@
+"""Applying a region plan: one traversal, memoised by original module.
+
+How a region is compiled and how a parent of regions is rebuilt are the only things
+that differ between the two modes, so they are passed to the traversal as a small
+object (``InPlace`` or ``OutOfPlace``) instead of being written twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from types import FunctionType, MethodType
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
+
+from .graph import unwrap
+from .regions import RegionPlan, Selectors, find_regions
+from .tracking import RegionTracker, tracking_backend
+
+#: Where the tracker of the last ``compile_regions`` call is kept on the result's root.
+TRACKER_ATTRIBUTE = "_lightning_regions_tracker"
+
+
+class ApplyMode(Protocol):
+    def region(self, module: nn.Module) -> nn.Module: ...
+
+    def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module: ...
+
+
+class InPlace:
+    """Compile each region in place: identity, types, hooks and ``state_dict`` keys survive.
+
+    A region whose ``forward`` is user code is compiled with ``nn.Module.compile``. For
+    a torch built-in class (``nn.Linear``, ``nn.Sequential``, ``nn.TransformerEncoderLayer``
+    ...) that would be a silent no-op: dynamo skips frames in ``torch.nn``, so the
+    region would run eager. There the module's call goes through a small per-class
+    function of ours, which dynamo compiles and inlines the module through.
+    """
+
+    def __init__(self, compile_kwargs: dict[str, Any]) -> None:
+        self.compile_kwargs = compile_kwargs
+        self.compiled_now = 0
+
+    def region(self, module: nn.Module) -> nn.Module:
+        if is_compiled(module):
+            return module
+        if type(module).forward.__module__.startswith("torch."):
+            call = MethodType(_call_through(type(module)), module)
+            module._compiled_call_impl = torch.compile(call, **self.compile_kwargs)
+        else:
+            module.compile(**self.compile_kwargs)
+        self.compiled_now += 1
+        return module
+
+    def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
+        return module
+
+
+class OutOfPlace:
+    """Wrap each region in an ``OptimizedModule``; rebuild parents, share everything else."""
+
+    def __init__(self, compile_kwargs: dict[str, Any]) -> None:
+        self.compile_kwargs = compile_kwargs
+
+    def region(self, module: nn.Module) -> nn.Module:
+        if is_compiled(module):
+            return module
+        return torch.compile(module, **self.compile_kwargs)
+
+    def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
+        return shallow_copy(module, children)
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+_CALL_THROUGH: dict[type, FunctionType] = {}
+
+
+def _call_through(cls: type) -> FunctionType:
+    """A copy of ``_call_module`` with its own code object for ``cls``.
+
+    Dynamo caches compiled code per code object; one copy per class keeps each
+    class's recompile budget its own, as ``nn.Module.compile`` gets from ``forward``.
+    """
+    if cls not in _CALL_THROUGH:
+        name = f"call_{cls.__name__}"
+        code = _call_module.__code__.replace(co_name=name, co_qualname=name)
+        _CALL_THROUGH[cls] = FunctionType(code, _call_module.__globals__, name)
+    return _CALL_THROUGH[cls]
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """True for an ``OptimizedModule`` or a module compiled in place."""
+    return isinstance(module, OptimizedModule) or module._compiled_call_impl is not None
+
+
+def shallow_copy(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
+    """A new module of the same class, sharing parameters and buffers, with ``children``.
+
+    Registration dicts and sets are copied, so later changes to the copy never reach
+    the source. Methods bound to the source in its ``__dict__`` are re-bound to the copy.
+    """
+    new = module.__class__.__new__(module.__class__)
+    for key, value in module.__dict__.items():
+        if isinstance(value, (dict, set)):
+            value = copy.copy(value)
+        elif isinstance(value, MethodType) and value.__self__ is module:
+            value = MethodType(value.__func__, new)
+        new.__dict__[key] = value
+    new.__dict__["_modules"] = dict(children)
+    return new
+
+
+def apply_plan(root: nn.Module, plan: RegionPlan, mode: ApplyMode) -> nn.Module:
+    """Apply ``plan`` to ``root`` in one traversal of every registration.
+
+    Each original module maps to exactly one result, whatever number of paths reach
+    it. Regions go through ``mode.region``; modules with a region below them go through
+    ``mode.parent`` with their mapped children; every other module is kept as it is.
+    """
+    region_ids = plan.region_ids()
+    above_regions = _ancestors_of(root, region_ids)
+    memo: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module) -> nn.Module:
+        key = id(module)
+        if key in memo:
+            return memo[key]
+        if key in region_ids or id(unwrap(module)) in region_ids:
+            result = mode.region(module)
+        elif key in above_regions:
+            memo[key] = module  # a cycle back to this module keeps the original
+            children = {
+                name: None if child is None else visit(child)
+                for name, child in module._modules.items()
+            }
+            result = mode.parent(module, children)
+        else:
+            result = module
+        memo[key] = result
+        return result
+
+    return visit(root)
+
+
+def _ancestors_of(root: nn.Module, targets: set[int]) -> set[int]:
+    """Ids of the modules below ``root`` (root included) with a target strictly below."""
+    result: set[int] = set()
+    done: set[int] = set()
+
+    def contains_target(module: nn.Module, path: frozenset[int]) -> bool:
+        key = id(module)
+        if key in done:
+            return key in result
+        found = False
+        for child in module._modules.values():
+            if child is None or id(child) in path:
+                continue
+            if id(child) in targets or contains_target(child, path | {id(child)}):
+                found = True
+        done.add(key)
+        if found:
+            result.add(key)
+        return found
+
+    contains_target(root, frozenset({id(root)}))
+    return result
+
+
+def compile_regions(
+    module: nn.Module,
+    *,
+    inplace: bool = False,
+    regions: Selectors = None,
+    **compile_kwargs: Any,
+) -> nn.Module:
+    """Compile the repeated blocks of ``module``, keeping its shared structure exactly.
+
+    A drop-in for ``accelerate.utils.compile_regions``: ``compile_kwargs`` (``backend``,
+    ``mode``, ``fullgraph``, ``dynamic``, ``options``...) go to ``torch.compile``.
+
+    Out of place (default), a new tree is returned and the source is untouched:
+    regions become ``OptimizedModule`` wrappers, their ancestors are shallow copies
+    that share parameters and buffers, and every alias, shared block and ``None``
+    child maps to one object. ``result.__dict__["_orig_mod"]`` is the source.
+
+    In place (``inplace=True``), each distinct region is compiled with
+    ``nn.Module.compile`` and ``module`` itself is returned: identity, types, hooks and
+    ``state_dict`` keys do not change, and a second call compiles nothing again.
+
+    ``regions`` takes class names and/or path globs; see ``find_regions``.
+    """
+    plan = find_regions(module, regions)
+    tracker, torch_kwargs = tracked_compile_kwargs(plan, compile_kwargs)
+    if inplace:
+        in_place = InPlace(torch_kwargs)
+        result = apply_plan(module, plan, in_place)
+        if in_place.compiled_now == 0 and tracker_of(result) is not None:
+            return result  # already compiled: keep the tracker that saw it happen
+    else:
+        result = apply_plan(module, plan, OutOfPlace(torch_kwargs))
+        if "_orig_mod" not in result.__dict__:
+            result.__dict__["_orig_mod"] = module
+    result.__dict__[TRACKER_ATTRIBUTE] = tracker
+    return result
+
+
+def tracked_compile_kwargs(
+    plan: RegionPlan, compile_kwargs: dict[str, Any]
+) -> tuple[RegionTracker, dict[str, Any]]:
+    """Swap the backend in ``compile_kwargs`` for a ``RegionTracker`` around it."""
+    kwargs = dict(compile_kwargs)
+    backend: str | Callable[..., Any] = kwargs.pop("backend", "inductor")
+    mode = kwargs.pop("mode", None)
+    validate_backend(backend)
+    validate_mode(mode, backend)
+    tracking = tracking_backend(backend, mode, kwargs.pop("options", None), kwargs.get("dynamic"))
+    kwargs["backend"] = tracking
+    return RegionTracker.start(plan, tracking), kwargs
+
+
+def validate_backend(backend: str | Callable[..., Any]) -> None:
+    """Raise ``ValueError`` for a backend name that ``torch.compile`` does not know."""
+    if callable(backend):
+        return
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"Unknown torch.compile backend {backend!r}. Known backends: {known}.")
+
+
+def validate_mode(mode: str | None, backend: str | Callable[..., Any]) -> None:
+    """Raise ``ValueError`` for a mode that inductor does not know, or without inductor."""
+    if mode is None:
+        return
+    known = sorted(torch._inductor.list_mode_options())
+    if mode not in known:
+        raise ValueError(f"Unknown torch.compile mode {mode!r}. Known modes: {known}.")
+    if backend != "inductor":
+        raise ValueError(f"mode={mode!r} applies to backend='inductor' only, not {backend!r}.")
+
+
+def tracker_of(module: nn.Module) -> RegionTracker | None:
+    """The tracker left on ``module`` by ``compile_regions``, if any."""
+    return module.__dict__.get(TRACKER_ATTRIBUTE)

@@ -1,0 +1,152 @@
+"""Snapshots of a module graph: every registration, aliases and ``None`` children kept.
+
+``nn.Module.named_modules()`` de-duplicates: a module registered under two names shows
+up once, and ``None`` children not at all. The functions here walk ``_modules`` without
+de-duplication, so what the model *is* (its aliases, shared blocks and tied
+parameters) can be recorded, compared and preserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
+
+#: Path segments added by wrappers, not by the model: ``torch.compile`` registers the
+#: original module as ``_orig_mod`` inside an ``OptimizedModule``.
+WRAPPER_SEGMENTS = frozenset({"_orig_mod"})
+
+
+def canonical_path(path: str) -> str:
+    """Drop wrapper segments such as ``_orig_mod`` from a dotted module path."""
+    return ".".join(part for part in path.split(".") if part and part not in WRAPPER_SEGMENTS)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module under any ``torch.compile`` wrappers."""
+    while isinstance(module, OptimizedModule):
+        module = module._orig_mod
+    return module
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def iter_registrations(root: nn.Module) -> Iterator[tuple[str, nn.Module | None]]:
+    """Yield ``(path, child)`` for every registration below ``root``, root first as ``""``.
+
+    Nothing is de-duplicated: a module registered under several names is yielded once
+    per name (and its subtree once per name), and ``None`` children are yielded as
+    ``None``. A module that is its own ancestor (a cycle) is yielded but not entered.
+    """
+    yield "", root
+    yield from _iter_below(root, "", frozenset({id(root)}))
+
+
+def _iter_below(
+    module: nn.Module, prefix: str, ancestors: frozenset[int]
+) -> Iterator[tuple[str, nn.Module | None]]:
+    for name, child in module._modules.items():
+        path = join(prefix, name)
+        yield path, child
+        if child is not None and id(child) not in ancestors:
+            yield from _iter_below(child, path, ancestors | {id(child)})
+
+
+@dataclass(frozen=True)
+class ModuleGraph:
+    """What a model is: every module path and parameter path, wrappers looked through.
+
+    ``modules`` maps each canonical path to the unwrapped module registered there (or
+    ``None``); ``parameters`` maps each canonical parameter path to its ``Parameter``.
+    """
+
+    modules: dict[str, nn.Module | None]
+    parameters: dict[str, nn.Parameter]
+
+    def paths_of(self, module: nn.Module) -> list[str]:
+        """Every canonical path under which ``module`` (unwrapped) is registered."""
+        target = unwrap(module)
+        return [path for path, m in self.modules.items() if m is target]
+
+    def distinct_modules(self) -> list[nn.Module]:
+        """Each registered module once, in first-registration order."""
+        seen: dict[int, nn.Module] = {}
+        for module in self.modules.values():
+            if module is not None:
+                seen.setdefault(id(module), module)
+        return list(seen.values())
+
+    @property
+    def alias_groups(self) -> list[tuple[str, ...]]:
+        """Groups of two or more module paths that name one module."""
+        return _groups(self.modules)
+
+    @property
+    def tie_groups(self) -> list[tuple[str, ...]]:
+        """Groups of two or more parameter paths that name one ``Parameter``."""
+        return _groups(self.parameters)
+
+    def own_alias_groups(self) -> list[tuple[str, ...]]:
+        """``alias_groups`` without the paths an alias higher up already implies.
+
+        ``blocks_alias = blocks`` makes ``blocks_alias.0`` an alias of ``blocks.0``; only
+        ``blocks = blocks_alias`` is kept. Reports use this form.
+        """
+        return _own_groups(self.alias_groups, self._first_paths())
+
+    def own_tie_groups(self) -> list[tuple[str, ...]]:
+        """``tie_groups`` without the paths that a module alias already implies."""
+        return _own_groups(self.tie_groups, self._first_paths())
+
+    def _first_paths(self) -> set[str]:
+        first: dict[int, str] = {}
+        for path, module in self.modules.items():
+            if module is not None:
+                first.setdefault(id(module), path)
+        return set(first.values())
+
+    @property
+    def none_paths(self) -> list[str]:
+        """Paths registered as ``None``."""
+        return [path for path, m in self.modules.items() if m is None]
+
+
+def _groups(named: dict[str, object | None]) -> list[tuple[str, ...]]:
+    by_object: dict[int, list[str]] = {}
+    for path, obj in named.items():
+        if obj is not None:
+            by_object.setdefault(id(obj), []).append(path)
+    return [tuple(paths) for paths in by_object.values() if len(paths) > 1]
+
+
+def _own_groups(groups: list[tuple[str, ...]], first_paths: set[str]) -> list[tuple[str, ...]]:
+    def parent_is_first(path: str) -> bool:
+        return path.rpartition(".")[0] in first_paths
+
+    own = [tuple(p for p in group if parent_is_first(p)) for group in groups]
+    return [group for group in own if len(group) > 1]
+
+
+def snapshot(root: nn.Module) -> ModuleGraph:
+    """Record every module and parameter registration below ``root``.
+
+    Paths are canonical (wrapper segments dropped) and modules unwrapped, so a model
+    and its compiled counterpart give equal path sets.
+    """
+    modules: dict[str, nn.Module | None] = {}
+    parameters: dict[str, nn.Parameter] = {}
+    for raw_path, module in iter_registrations(root):
+        path = canonical_path(raw_path)
+        if module is None:
+            modules.setdefault(path, None)
+            continue
+        module = unwrap(module)
+        modules[path] = module
+        for name, param in module._parameters.items():
+            if param is not None:
+                parameters[join(path, name)] = param
+    return ModuleGraph(modules=modules, parameters=parameters)
