@@ -147,9 +147,10 @@ def _from_hints(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
     if not hinted:
         return []
     found = [
-        (m, f"named by {hinted[type(m).__name__]}")
+        (block, f"named by {hinted[type(m).__name__]}")
         for m in graph.distinct_modules()
         if type(m).__name__ in hinted
+        for block in _expand_containers(m)
     ]
     if not found:
         warnings.warn(
@@ -167,8 +168,12 @@ def _repeated_blocks(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
             continue
         entries = _entries(container)
         classes = {type(unwrap(child)) for child in entries}
-        if len(entries) < 2 or len(classes) != 1:
-            continue
+        if (
+            len(entries) < 2
+            or len(classes) != 1
+            or issubclass(next(iter(classes)), CONTAINER_TYPES)
+        ):
+            continue  # a list of lists is walked level by level instead
         why = f"repeated {classes.pop().__name__} in '{path}' ({len(entries)} entries)"
         for child in entries:
             candidates.setdefault(id(child), (child, why))

@@ -27,6 +27,7 @@ class RegionRow:
     graphs: int
     compiled_calls: int
     compile_seconds: float
+    tracked: bool
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class RegionReport:
 
     @property
     def never_ran_compiled(self) -> tuple[RegionRow, ...]:
-        """Regions with no compiled call: they ran eager, or did not run at all."""
-        return tuple(row for row in self.rows if row.compiled_calls == 0)
+        """Tracked regions with no compiled call: they ran eager, or did not run at all."""
+        return tuple(row for row in self.rows if row.tracked and row.compiled_calls == 0)
 
     def __str__(self) -> str:
         lines = [
@@ -58,7 +59,12 @@ class RegionReport:
             + (" [whole model: no repeated blocks]" if self.whole_model else "")
         ]
         for row in self.rows:
-            status = "EAGER (no compiled call seen)" if row.compiled_calls == 0 else "compiled"
+            if not row.tracked:
+                status = "untracked (no parameters or buffers to recognise its calls by)"
+            elif row.compiled_calls == 0:
+                status = "EAGER (no compiled call seen)"
+            else:
+                status = "compiled"
             lines.append(
                 f"  {row.class_name:<16} graphs={row.graphs} calls={row.compiled_calls} "
                 f"{status}  paths={', '.join(row.paths)}  ({row.reason})"
@@ -90,6 +96,7 @@ def region_report(model: nn.Module) -> RegionReport:
             graphs=stats.graphs,
             compiled_calls=stats.compiled_calls,
             compile_seconds=stats.compile_seconds,
+            tracked=any(True for _ in (*region.module.parameters(), *region.module.buffers())),
         )
         for region, stats in zip(plan.regions, tracker.stats, strict=True)
     )

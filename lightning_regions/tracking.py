@@ -121,15 +121,7 @@ def _counting(compiled: CompiledFn, positions: list[int]) -> CompiledFn:
         for stats in OWNERS.most_owned([args[i] for i in positions if i < len(args)]):
             stats.compiled_calls += 1
 
-    if getattr(compiled, "_boxed_call", False):
-
-        def run_boxed(args: list[Any]) -> Any:
-            count(args)
-            return compiled(args)
-
-        run_boxed._boxed_call = True  # type: ignore[attr-defined]
-        return run_boxed
-
+    # Dynamo calls a backend's result with positional arguments, boxed or not.
     def run(*args: Any) -> Any:
         count(args)
         return compiled(*args)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 
 settings.register_profile("default", max_examples=200, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)
