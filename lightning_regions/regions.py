@@ -10,7 +10,8 @@ Three sources, in order of precedence:
 
 Each distinct module appears in the plan once, with all of its paths. A candidate
 that lies inside another candidate is dropped: the outer one compiles it. Containers
-are never regions themselves; a selector that names a container selects its entries.
+without ``forward`` (``ModuleList``, ``ModuleDict``) are never regions; a selector that
+names one selects its entries. A ``Sequential`` is callable, so it can be a block.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch import nn
 from .graph import ModuleGraph, snapshot, unwrap
 
 CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+#: Containers with no ``forward``: never a region, they stand for their entries.
+LIST_TYPES = (nn.ModuleList, nn.ModuleDict)
 HINT_ATTRIBUTES = ("_repeated_blocks", "_no_split_modules")
 
 Selectors = str | Iterable[str] | None
@@ -104,8 +107,8 @@ def _entries(container: nn.Module) -> list[nn.Module]:
 
 
 def _expand_containers(module: nn.Module) -> list[nn.Module]:
-    """A container stands for its entries; anything else for itself."""
-    if isinstance(module, CONTAINER_TYPES):
+    """A ``ModuleList``/``ModuleDict`` stands for its entries; anything else for itself."""
+    if isinstance(module, LIST_TYPES):
         return [leaf for child in _entries(module) for leaf in _expand_containers(child)]
     return [module]
 
@@ -168,11 +171,7 @@ def _repeated_blocks(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
             continue
         entries = _entries(container)
         classes = {type(unwrap(child)) for child in entries}
-        if (
-            len(entries) < 2
-            or len(classes) != 1
-            or issubclass(next(iter(classes)), CONTAINER_TYPES)
-        ):
+        if len(entries) < 2 or len(classes) != 1 or issubclass(next(iter(classes)), LIST_TYPES):
             continue  # a list of lists is walked level by level instead
         why = f"repeated {classes.pop().__name__} in '{path}' ({len(entries)} entries)"
         for child in entries:
