@@ -1,9 +1,17 @@
-"""Shared-aware regional ``torch.compile`` for PyTorch and PyTorch Lightning."""
+"""Shared-aware regional ``torch.compile`` for PyTorch and PyTorch Lightning.
+
+Importing the package registers the ``"regional_compile"`` and
+``"regional_compile_ddp"`` strategy names with Lightning's ``StrategyRegistry``.
+"""
 
 from .compile import compile_regions
 from .graph import ModuleGraph, snapshot
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
 from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled
+from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register
+from .tiecheck import TiedWeightsCheck, TiedWeightsError
+
+register()
 
 __all__ = [
     "ModuleGraph",
@@ -12,6 +20,10 @@ __all__ = [
     "RegionNotCompiledWarning",
     "RegionPlan",
     "RegionReport",
+    "RegionalCompileDDPStrategy",
+    "RegionalCompileStrategy",
+    "TiedWeightsCheck",
+    "TiedWeightsError",
     "compile_regions",
     "find_regions",
     "region_report",

@@ -216,30 +216,28 @@ def tracked_compile_kwargs(
     """Swap the backend in ``compile_kwargs`` for a ``RegionTracker`` around it."""
     kwargs = dict(compile_kwargs)
     backend: str | Callable[..., Any] = kwargs.pop("backend", "inductor")
-    mode = kwargs.pop("mode", None)
-    validate_backend(backend)
-    validate_mode(mode, backend)
-    tracking = tracking_backend(backend, mode, kwargs.pop("options", None), kwargs.get("dynamic"))
+    mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
+    validate_compile_arguments(backend, mode, options)
+    tracking = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
     kwargs["backend"] = tracking
     return RegionTracker.start(plan, tracking), kwargs
 
 
-def validate_backend(backend: str | Callable[..., Any]) -> None:
-    """Raise ``ValueError`` for a backend name that ``torch.compile`` does not know."""
-    if callable(backend):
-        return
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if backend not in known:
-        raise ValueError(f"Unknown torch.compile backend {backend!r}. Known backends: {known}.")
-
-
-def validate_mode(mode: str | None, backend: str | Callable[..., Any]) -> None:
-    """Raise ``ValueError`` for a mode that inductor does not know, or without inductor."""
+def validate_compile_arguments(
+    backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None
+) -> None:
+    """Raise ``ValueError``, naming the value and the fix, for arguments torch would refuse."""
+    if not callable(backend):
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(f"Unknown torch.compile backend {backend!r}. Known backends: {known}.")
+    if mode is not None and options is not None:
+        raise ValueError("Pass either mode= or options=, not both (a torch.compile rule).")
     if mode is None:
         return
-    known = sorted(torch._inductor.list_mode_options())
-    if mode not in known:
-        raise ValueError(f"Unknown torch.compile mode {mode!r}. Known modes: {known}.")
+    known_modes = sorted(torch._inductor.list_mode_options())
+    if mode not in known_modes:
+        raise ValueError(f"Unknown torch.compile mode {mode!r}. Known modes: {known_modes}.")
     if backend != "inductor":
         raise ValueError(f"mode={mode!r} applies to backend='inductor' only, not {backend!r}.")
 

@@ -58,8 +58,11 @@ class RegionReport:
             f"{self.compile_seconds:.2f}s in the backend"
             + (" [whole model: no repeated blocks]" if self.whole_model else "")
         ]
+        started = any(row.compiled_calls or row.graphs for row in self.rows)
         for row in self.rows:
-            if not row.tracked:
+            if not started:
+                status = "not run yet"
+            elif not row.tracked:
                 status = "untracked (no parameters or buffers to recognise its calls by)"
             elif row.compiled_calls == 0:
                 status = "EAGER (no compiled call seen)"

@@ -139,8 +139,6 @@ def tracking_backend(
     dynamic: bool | None,
 ) -> TrackingBackend:
     """The process-wide tracking backend around what ``torch.compile`` would build."""
-    if mode is not None and options is not None:
-        raise ValueError("Pass either mode= or options=, not both (a torch.compile rule).")
     if backend == "inductor":
         inner = torch._TorchCompileInductorWrapper(mode or "default", options, dynamic)
     else:

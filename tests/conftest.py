@@ -9,7 +9,7 @@ import torch
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # examples/ as a package
 
 settings.register_profile("default", max_examples=200, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)

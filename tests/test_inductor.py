@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from tiny_gpt import GPTConfig, TinyGPT
 
+from examples.tiny_gpt import GPTConfig, TinyGPT
 from lightning_regions import compile_regions, region_report
 
 

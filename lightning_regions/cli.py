@@ -1,0 +1,30 @@
+"""The ``lightning-regions`` command: LightningCLI with the regional strategies registered.
+
+Importing this package registers ``"regional_compile"`` and ``"regional_compile_ddp"``,
+so a config can say ``trainer.strategy: regional_compile`` or give the class path.
+Like ``python -m``, the current directory is importable, so configs can name the
+model and data classes of the project the command runs in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+
+def main(args: list[str] | None = None) -> LightningCLI:
+    """Run LightningCLI in subclass mode: the config names the model and data classes."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return LightningCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

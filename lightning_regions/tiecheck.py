@@ -1,0 +1,124 @@
+"""The tie check: aliases and tied parameters must survive setup and the first step.
+
+``TiedWeightsCheck`` snapshots the LightningModule in ``Callback.setup``, before any
+strategy moves, converts or compiles it, and verifies the live module and the
+optimizers after the first optimizer step. It works with any strategy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from .graph import ModuleGraph, snapshot
+
+
+class TiedWeightsError(RuntimeError):
+    """Aliases or tied parameters recorded before setup are no longer shared."""
+
+
+@dataclass(frozen=True)
+class BrokenGroup:
+    kind: Literal["module alias", "tied parameter"]
+    paths: tuple[str, ...]
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {' = '.join(self.paths)}: {self.problem}"
+
+
+def check_ties(
+    recorded: ModuleGraph, live: ModuleGraph, optimizer_params: Iterable[torch.Tensor]
+) -> list[BrokenGroup]:
+    """Every recorded group that is no longer one object, once in the optimizers."""
+    broken = []
+    for group in recorded.own_alias_groups():
+        objects = {id(live.modules.get(path)) for path in group}
+        missing = [path for path in group if live.modules.get(path) is None]
+        if missing:
+            broken.append(BrokenGroup("module alias", group, f"paths gone: {missing}"))
+        elif len(objects) > 1:
+            broken.append(BrokenGroup("module alias", group, f"{len(objects)} distinct modules"))
+    held: dict[int, int] = {}
+    for param in optimizer_params:
+        held[id(param)] = held.get(id(param), 0) + 1
+    for group in recorded.own_tie_groups():
+        params = [live.parameters.get(path) for path in group]
+        if any(p is None for p in params):
+            gone = [path for path, p in zip(group, params, strict=True) if p is None]
+            broken.append(BrokenGroup("tied parameter", group, f"paths gone: {gone}"))
+            continue
+        distinct = {id(p): p for p in params}
+        problems = []
+        if len(distinct) > 1:
+            equal = all(torch.equal(params[0].detach().cpu(), p.detach().cpu()) for p in params)
+            problems.append(
+                f"{len(distinct)} distinct Parameters (values {'equal' if equal else 'differ'})"
+            )
+        for param in distinct.values():
+            count = held.get(id(param), 0)
+            if count == 0:
+                problems.append("missing from the optimizer (it holds a stale object)")
+            elif count > 1:
+                problems.append(f"in the optimizer {count} times")
+        if problems:
+            broken.append(BrokenGroup("tied parameter", group, "; ".join(dict.fromkeys(problems))))
+    return broken
+
+
+class TiedWeightsCheck(Callback):
+    """Fail loudly when aliases or tied weights did not survive to the first step.
+
+    Args:
+        on_failure: ``"raise"`` a ``TiedWeightsError`` (default) or ``"warn"``.
+    """
+
+    def __init__(self, on_failure: Literal["raise", "warn"] = "raise") -> None:
+        if on_failure not in ("raise", "warn"):
+            raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'warn'.")
+        self.on_failure = on_failure
+        self.recorded: ModuleGraph | None = None
+        self.broken: list[BrokenGroup] | None = None
+        self._stepped = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.recorded = snapshot(pl_module)
+            self.broken = None
+            self._stepped = False
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._stepped = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any):
+        if self._stepped and self.broken is None and self.recorded is not None:
+            self.verify(trainer, pl_module)
+
+    def verify(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[BrokenGroup]:
+        """Compare the snapshot with the live module and optimizers; raise or warn."""
+        assert self.recorded is not None, "verify() runs after setup()"
+        optimizer_params = [
+            p for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]
+        ]
+        self.broken = check_ties(self.recorded, snapshot(pl_module), optimizer_params)
+        aliases = len(self.recorded.own_alias_groups())
+        ties = len(self.recorded.own_tie_groups())
+        if not self.broken:
+            rank_zero_info(
+                f"tie check passed: {aliases} alias group(s), {ties} tie group(s) intact"
+            )
+            return self.broken
+        message = f"{len(self.broken)} of {aliases + ties} alias/tie group(s) broke:\n" + "\n".join(
+            f"  - {group}" for group in self.broken
+        )
+        if self.on_failure == "raise":
+            raise TiedWeightsError(message)
+        warnings.warn(message, stacklevel=2)
+        return self.broken
