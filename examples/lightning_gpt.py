@@ -4,6 +4,8 @@ DataModule over the bundled public-domain text (the 1776 Declaration of Independ
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -108,3 +110,25 @@ class GPTModule(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class StepTimer(pl.Callback):
+    """Wall time of each training step; the first one includes compilation."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+    @property
+    def first_step_seconds(self) -> float:
+        return self.seconds[0]
+
+    @property
+    def steady_step_ms(self) -> float:
+        return 1000 * statistics.median(self.seconds[len(self.seconds) // 2 :])

@@ -14,8 +14,11 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 
 
-def main(args: list[str] | None = None) -> LightningCLI:
-    """Run LightningCLI in subclass mode: the config names the model and data classes."""
+def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
+    """Run LightningCLI in subclass mode: the config names the model and data classes.
+
+    With ``run=False`` the config is parsed and instantiated, and no subcommand runs.
+    """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return LightningCLI(
@@ -23,6 +26,7 @@ def main(args: list[str] | None = None) -> LightningCLI:
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=args,
+        run=run,
     )
 
 

@@ -1,0 +1,96 @@
+"""YAML configs through LightningCLI and the lightning-regions command."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_regions import RegionalCompileDDPStrategy, RegionalCompileStrategy, TiedWeightsCheck
+from lightning_regions.cli import main
+
+ROOT = Path(__file__).parent.parent
+CONFIGS = ROOT / "configs"
+
+
+@pytest.fixture(autouse=True)
+def in_repo_root(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+
+
+def parse(*args: str):
+    return main(list(args), run=False)
+
+
+def test_strategy_name_in_yaml_selects_the_regional_strategy():
+    cli = parse("--config", str(CONFIGS / "regional.yaml"))
+    assert isinstance(cli.trainer.strategy, RegionalCompileStrategy)
+    assert cli.trainer.strategy.compile_kwargs["backend"] == "inductor"
+    assert any(isinstance(c, TiedWeightsCheck) for c in cli.trainer.callbacks)
+
+
+def test_class_path_form_selects_the_ddp_strategy_with_ddp_arguments():
+    cli = parse("--config", str(CONFIGS / "regional_ddp.yaml"))
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, RegionalCompileDDPStrategy)
+    assert strategy.process_group_backend == "gloo"
+    assert cli.trainer.num_devices == 2
+
+
+def test_callback_only_config_keeps_the_default_strategy():
+    cli = parse("--config", str(CONFIGS / "tiecheck_only.yaml"))
+    assert not isinstance(cli.trainer.strategy, RegionalCompileStrategy)
+    assert any(isinstance(c, TiedWeightsCheck) for c in cli.trainer.callbacks)
+
+
+def test_fit_through_the_cli_trains_with_compiled_regions(tmp_path):
+    config = yaml.safe_load((CONFIGS / "regional.yaml").read_text())
+    config["trainer"].update(
+        strategy={
+            "class_path": "lightning_regions.RegionalCompileStrategy",
+            "init_args": {"backend": "eager"},
+        },
+        max_steps=2,
+        val_check_interval=2,
+        limit_val_batches=1,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+    )
+    config["model"]["init_args"].update(n_layer=2, n_embd=16, block_size=16)
+    config["data"]["init_args"].update(block_size=16, batch_size=4)
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = main(["fit", "--config", str(path)])
+    assert len(cli.model.losses) == 2
+    assert cli.model.model.blocks[0]._compiled_call_impl is not None
+    check = next(c for c in cli.trainer.callbacks if isinstance(c, TiedWeightsCheck))
+    assert check.broken == []
+
+
+def test_a_typo_in_init_args_exits_non_zero_with_jsonargparse_message(tmp_path, capsys):
+    config = yaml.safe_load((CONFIGS / "regional_ddp.yaml").read_text())
+    config["trainer"]["strategy"]["init_args"]["bakend"] = "eager"
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--config", str(path))
+    assert exit_info.value.code != 0
+    assert "bakend" in capsys.readouterr().err
+
+
+def test_console_script_is_installed_and_registers_names():
+    command = shutil.which("lightning-regions") or str(
+        Path(__import__("sys").executable).parent / "lightning-regions"
+    )
+    result = subprocess.run(
+        [command, "fit", "--config", str(CONFIGS / "regional.yaml"), "--print_config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "regional_compile" in result.stdout
