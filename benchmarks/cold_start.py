@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("eager", "whole", "regional_inplace")
+VARIANTS = ("eager", "whole", "accelerate", "regional_inplace")
 
 
 def one_run(variant: str, depth: int) -> dict:
@@ -33,6 +33,12 @@ def one_run(variant: str, depth: int) -> dict:
     model = TinyGPT(GPTConfig(vocab_size=65, block_size=128, n_layer=depth, n_embd=128, n_head=4))
     if variant == "whole":
         model = torch.compile(model)
+    elif variant == "accelerate":
+        from accelerate.utils import compile_regions as accelerate_compile_regions
+
+        del model._modules["layers"]  # accelerate drops aliases; keep forward working
+        model.layers = list(model.blocks)
+        model = accelerate_compile_regions(model)
     elif variant == "regional_inplace":
         compile_regions(model, inplace=True)
     idx = torch.randint(0, 65, (8, 128))
