@@ -25,7 +25,7 @@ demo: install
 	$(PY) examples/demo.py
 
 bench: install
-	$(PY) benchmarks/cold_start.py --depth 4 --repeats 3
+	$(PY) benchmarks/compile_time.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,199 @@
+"""Cold-start and steady-state cost of each way to compile the tiny GPT, side by side.
+
+Every (variant, depth, repeat) runs in its own process with a fresh, empty
+``TORCHINDUCTOR_CACHE_DIR``. A run takes one forward+backward step cold (compile
+included), 2 warm-up steps, then 10 timed steps. Results are medians over repeats;
+ratios are against whole-model ``torch.compile`` at the same depth, from the same run.
+
+    python benchmarks/compile_time.py                      # depths 2 4 8 16, 3 repeats
+    python benchmarks/compile_time.py --depths 4 --repeats 1 --variants whole regional_inplace
+
+Writes ``compile_time.json``, ``compile_time.md`` and ``compile_time.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = (
+    "eager",
+    "whole",
+    "accelerate",
+    "regional_out_of_place",
+    "regional_inplace",
+    "nested_compile_region",
+)
+WARMUP_STEPS, TIMED_STEPS = 2, 10
+
+
+def build(variant: str, depth: int, width: int):
+    """The model for ``variant``, ready to be called."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from examples.tiny_gpt import GPTBlock, GPTConfig, TinyGPT
+    from lightning_regions import compile_regions
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, block_size=128, n_layer=depth, n_head=4, n_embd=width)
+    model = TinyGPT(config)
+    if variant == "whole":
+        return torch.compile(model)
+    if variant == "accelerate":
+        from accelerate.utils import compile_regions as accelerate_compile_regions
+
+        del model._modules["layers"]  # accelerate drops the alias; keep forward working
+        model.layers = list(model.blocks)
+        return accelerate_compile_regions(model)
+    if variant == "regional_out_of_place":
+        return compile_regions(model)
+    if variant == "regional_inplace":
+        return compile_regions(model, inplace=True)
+    if variant == "nested_compile_region":
+        GPTBlock.forward = torch.compiler.nested_compile_region(GPTBlock.forward)
+        return torch.compile(model)
+    return model
+
+
+def run_child(variant: str, depth: int, width: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    model = build(variant, depth, width)
+    idx = torch.randint(0, 65, (8, 128), generator=torch.Generator().manual_seed(0))
+    seconds = []
+    for _ in range(1 + WARMUP_STEPS + TIMED_STEPS):
+        start = time.perf_counter()
+        logits = model(idx)  # through __call__: model.loss() would bypass torch.compile
+        F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+        seconds.append(time.perf_counter() - start)
+    counters = torch._dynamo.utils.counters
+    return {
+        "first_step_s": seconds[0],
+        "steady_step_ms": 1000 * statistics.median(seconds[1 + WARMUP_STEPS :]),
+        "graphs": counters["stats"]["unique_graphs"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def run_isolated(variant: str, depth: int, width: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        command = [sys.executable, __file__, "--child", variant, "--depths", str(depth)]
+        command += ["--width", str(width)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{variant} at depth {depth} failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def table(summary: dict, variants: list[str], depths: list[int]) -> str:
+    lines = [
+        "| depth | variant | first step (s) | vs whole | steady step (ms) | vs whole | graphs | "
+        "peak RSS (MB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for depth in depths:
+        whole = summary[str(depth)].get("whole")
+        for variant in variants:
+            row = summary[str(depth)][variant]
+            first_ratio = f"{row['first_step_s'] / whole['first_step_s']:.2f}x" if whole else ""
+            steady_ratio = (
+                f"{row['steady_step_ms'] / whole['steady_step_ms']:.2f}x" if whole else ""
+            )
+            lines.append(
+                f"| {depth} | {variant} | {row['first_step_s']:.1f} | {first_ratio} | "
+                f"{row['steady_step_ms']:.1f} | {steady_ratio} | {row['graphs']:.0f} | "
+                f"{row['peak_rss_mb']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(summary: dict, variants: list[str], depths: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for variant in variants:
+        if variant == "eager":
+            continue
+        values = [summary[str(d)][variant]["first_step_s"] for d in depths]
+        axis.plot(depths, values, marker="o", label=variant)
+    axis.set_xlabel("depth (transformer blocks)")
+    axis.set_ylabel("cold first step (s), median")
+    axis.set_xticks(depths)
+    axis.set_title("Tiny GPT, fresh inductor cache per run")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def machine() -> str:
+    import torch
+
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(args.child, args.depths[0], args.width)))
+        return
+
+    runs: dict[str, dict[str, list[dict]]] = {
+        str(d): {v: [] for v in args.variants} for d in args.depths
+    }
+    for repeat in range(args.repeats):
+        for depth in args.depths:
+            for variant in args.variants:  # interleaved, so drift hits every variant alike
+                result = run_isolated(variant, depth, args.width)
+                runs[str(depth)][variant].append(result)
+                print(f"repeat {repeat + 1} depth {depth:2d} {variant:22s} {result}", flush=True)
+    summary = {d: {v: medians(r) for v, r in by_variant.items()} for d, by_variant in runs.items()}
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"Machine: {machine()}. Width {args.width}, batch 8x128 tokens, forward+backward. "
+        f"Medians of {args.repeats} run(s), each in its own process with a fresh inductor cache."
+    )
+    markdown = f"{header}\n\n{table(summary, args.variants, args.depths)}\n"
+    (args.out / "compile_time.md").write_text(markdown)
+    (args.out / "compile_time.json").write_text(
+        json.dumps(
+            {"machine": machine(), "width": args.width, "runs": runs, "medians": summary}, indent=1
+        )
+    )
+    plot(summary, args.variants, args.depths, args.out / "compile_time.png")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
