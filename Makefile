@@ -26,6 +26,7 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/compile_time.py
+	$(PY) benchmarks/warm_start.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -18,7 +18,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 from .graph import unwrap
 from .regions import RegionPlan, Selectors, find_regions
-from .tracking import RegionTracker, tracking_backend
+from .tracking import COMPILE_ERROR_POLICIES, RegionTracker, tracking_backend
 
 #: Where the tracker of the last ``compile_regions`` call is kept on the result's root.
 TRACKER_ATTRIBUTE = "_lightning_regions_tracker"
@@ -177,6 +177,7 @@ def compile_regions(
     *,
     inplace: bool = False,
     regions: Selectors = None,
+    on_compile_error: str = "raise",
     **compile_kwargs: Any,
 ) -> nn.Module:
     """Compile the repeated blocks of ``module``, keeping its shared structure exactly.
@@ -194,9 +195,12 @@ def compile_regions(
     ``state_dict`` keys do not change, and a second call compiles nothing again.
 
     ``regions`` takes class names and/or path globs; see ``find_regions``.
+    ``on_compile_error="raise"`` (default) raises ``RegionCompileError`` naming the region
+    whose graph the backend failed on; ``"eager"`` warns and runs that region eager.
     """
+    validate_on_compile_error(on_compile_error)
     plan = find_regions(module, regions)
-    tracker, torch_kwargs = tracked_compile_kwargs(plan, compile_kwargs)
+    tracker, torch_kwargs = tracked_compile_kwargs(plan, compile_kwargs, on_compile_error)
     if inplace:
         in_place = InPlace(torch_kwargs)
         result = apply_plan(module, plan, in_place)
@@ -211,7 +215,7 @@ def compile_regions(
 
 
 def tracked_compile_kwargs(
-    plan: RegionPlan, compile_kwargs: dict[str, Any]
+    plan: RegionPlan, compile_kwargs: dict[str, Any], on_compile_error: str = "raise"
 ) -> tuple[RegionTracker, dict[str, Any]]:
     """Swap the backend in ``compile_kwargs`` for a ``RegionTracker`` around it."""
     kwargs = dict(compile_kwargs)
@@ -220,7 +224,12 @@ def tracked_compile_kwargs(
     validate_compile_arguments(backend, mode, options)
     tracking = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
     kwargs["backend"] = tracking
-    return RegionTracker.start(plan, tracking), kwargs
+    return RegionTracker.start(plan, tracking, on_compile_error), kwargs
+
+
+def validate_on_compile_error(policy: str) -> None:
+    if policy not in COMPILE_ERROR_POLICIES:
+        raise ValueError(f"on_compile_error={policy!r}: use one of {COMPILE_ERROR_POLICIES}.")
 
 
 def validate_compile_arguments(

@@ -49,6 +49,11 @@ class Region:
     def class_name(self) -> str:
         return type(unwrap(self.module)).__name__
 
+    @property
+    def label(self) -> str:
+        """``Class at path, path``: how messages name the region."""
+        return f"{self.class_name} at {', '.join(p or '<root>' for p in self.paths)}"
+
 
 @dataclass(frozen=True)
 class RegionPlan:

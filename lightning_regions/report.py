@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .compile import tracker_of
+from .watch import ClassRecompiles, graph_breaks
 
 
 class RegionNotCompiledWarning(UserWarning):
@@ -28,6 +29,7 @@ class RegionRow:
     compiled_calls: int
     compile_seconds: float
     tracked: bool
+    compile_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class RegionReport:
     alias_groups: tuple[tuple[str, ...], ...]
     tie_groups: tuple[tuple[str, ...], ...]
     whole_model: bool
+    recompiles: tuple[ClassRecompiles, ...] = ()
+    graph_breaks: int = 0
 
     @property
     def graphs(self) -> int:
@@ -62,6 +66,8 @@ class RegionReport:
         for row in self.rows:
             if not started:
                 status = "not run yet"
+            elif row.compile_error:
+                status = f"EAGER (compile failed: {row.compile_error})"
             elif not row.tracked:
                 status = "untracked (no parameters or buffers to recognise its calls by)"
             elif row.compiled_calls == 0:
@@ -72,6 +78,12 @@ class RegionReport:
                 f"  {row.class_name:<16} graphs={row.graphs} calls={row.compiled_calls} "
                 f"{status}  paths={', '.join(row.paths)}  ({row.reason})"
             )
+        for entry in self.recompiles:
+            if entry.recompiles or entry.limit_hits:
+                lines.append(
+                    f"  recompiles of {entry.class_name}: {entry.recompiles} "
+                    f"(recompile-limit hits {entry.limit_hits}); last reason: {entry.reasons[-1]}"
+                )
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
@@ -100,6 +112,7 @@ def region_report(model: nn.Module) -> RegionReport:
             compiled_calls=stats.compiled_calls,
             compile_seconds=stats.compile_seconds,
             tracked=any(True for _ in (*region.module.parameters(), *region.module.buffers())),
+            compile_error=stats.compile_error,
         )
         for region, stats in zip(plan.regions, tracker.stats, strict=True)
     )
@@ -108,6 +121,8 @@ def region_report(model: nn.Module) -> RegionReport:
         alias_groups=tuple(plan.graph.own_alias_groups()),
         tie_groups=tuple(plan.graph.own_tie_groups()),
         whole_model=plan.whole_model,
+        recompiles=tuple(tracker.watch.refresh()),
+        graph_breaks=graph_breaks(),
     )
 
 

@@ -8,18 +8,40 @@ in-place compilation changes nothing those later steps see but the forward.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch._dynamo.eval_frame import OptimizedModule
 
-from .compile import compile_regions, validate_compile_arguments
+from .cache import (
+    CHECKPOINT_KEY,
+    artifact_guard,
+    pack_artifacts,
+    restore_cache_dir,
+    unpack_artifacts,
+    use_cache_dir,
+)
+from .compile import (
+    compile_regions,
+    tracker_of,
+    validate_compile_arguments,
+    validate_on_compile_error,
+)
 from .regions import Selectors
-from .report import RegionNotCompiledWarning, region_report, warn_if_not_compiled
+from .report import (
+    RegionNotCompiledWarning,
+    RegionReport,
+    region_report,
+    warn_if_not_compiled,
+)
+
+#: The run's compile cache, relative to ``Trainer(default_root_dir=...)``.
+DEFAULT_CACHE_SUBDIR = "compile_cache"
 
 
 class RegionalCompileMixin:
@@ -40,8 +62,17 @@ class RegionalCompileMixin:
         dynamic: bool | None,
         options: dict[str, Any] | None,
         regions: Selectors,
+        on_compile_error: str,
+        recompile_warn_threshold: int | None,
+        cache_dir: str | bool,
     ) -> None:
         validate_compile_arguments(backend, mode, options)
+        validate_on_compile_error(on_compile_error)
+        if recompile_warn_threshold is not None and recompile_warn_threshold < 1:
+            raise ValueError(
+                f"recompile_warn_threshold={recompile_warn_threshold}: use a positive count "
+                "or None to turn the warning off."
+            )
         self.compile_kwargs: dict[str, Any] = {
             "backend": backend,
             "fullgraph": fullgraph,
@@ -50,19 +81,78 @@ class RegionalCompileMixin:
             **({"options": options} if options is not None else {}),
         }
         self.regions = regions
+        self.on_compile_error = on_compile_error
+        self.recompile_warn_threshold = recompile_warn_threshold
+        self.cache_dir = cache_dir
+        self._previous_cache_dir: str | None = None
+        self._cache_dir_entered = False
         self._runtime_reported = False
+
+    def run_cache_dir(self) -> str | None:
+        """The directory compile caches go to, or None for torch's default."""
+        if self.cache_dir is False:
+            return None
+        if isinstance(self.cache_dir, str):
+            return self.cache_dir
+        root = self.lightning_module.trainer.default_root_dir
+        return os.path.join(root, DEFAULT_CACHE_SUBDIR)
+
+    def _enter_cache_dir(self) -> None:
+        directory = self.run_cache_dir()
+        if directory is not None and not self._cache_dir_entered:
+            self._previous_cache_dir = use_cache_dir(directory)
+            self._cache_dir_entered = True
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        self._enter_cache_dir()
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        if self._cache_dir_entered:
+            restore_cache_dir(self._previous_cache_dir)
+            self._cache_dir_entered = False
+
+    def artifact_guard(self) -> dict[str, str]:
+        device_type = self.root_device.type  # type: ignore[attr-defined]
+        return artifact_guard(device_type, self.compile_kwargs)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Store this process's compile-cache artifacts in the checkpoint, then save it."""
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            payload = pack_artifacts(self.artifact_guard())
+            if payload is not None:
+                checkpoint[CHECKPOINT_KEY] = payload
+        super().save_checkpoint(checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load the checkpoint, and its compile-cache artifacts if they fit this run."""
+        checkpoint = super().load_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        self._enter_cache_dir()  # artifacts are written into the run's cache directory
+        unpack_artifacts(checkpoint.get(CHECKPOINT_KEY), self.artifact_guard())
+        return checkpoint
 
     def model_to_device(self) -> None:
         super().model_to_device()  # type: ignore[misc]
         module = self.lightning_module
         _refuse_whole_model_compile(module)
-        compile_regions(module, inplace=True, regions=self.regions, **self.compile_kwargs)
+        self._enter_cache_dir()
+        compile_regions(
+            module,
+            inplace=True,
+            regions=self.regions,
+            on_compile_error=self.on_compile_error,
+            **self.compile_kwargs,
+        )
         report = region_report(module)
         rank_zero_info(f"{report}")
         self._runtime_reported = False
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        tracker = tracker_of(self.lightning_module)
+        if tracker is not None and self.recompile_warn_threshold is not None:
+            tracker.watch.warn_storms(self.recompile_warn_threshold)
         if not self._runtime_reported:
             self._runtime_reported = True
             report = region_report(self.lightning_module)
@@ -73,14 +163,12 @@ class RegionalCompileMixin:
         return output
 
 
-def runtime_summary(report: Any) -> str:
-    """One line from torch's own counters, taken after the first optimizer step."""
-    counters = torch._dynamo.utils.counters
-    graph_breaks = sum(counters["graph_break"].values())
-    recompiles = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+def runtime_summary(report: RegionReport) -> str:
+    """One line from torch's own records, taken after the first optimizer step."""
+    recompiles = sum(entry.recompiles for entry in report.recompiles)
     return (
         f"regional compile after first step: {report.graphs} graph(s) compiled, "
-        f"{recompiles} recompile(s), {graph_breaks} graph break(s), "
+        f"{recompiles} recompile(s), {report.graph_breaks} graph break(s), "
         f"{report.compile_seconds:.2f}s in the backend, "
         f"{len(report.never_ran_compiled)} region(s) without a compiled call"
     )
@@ -109,6 +197,12 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         dynamic: ``torch.compile``'s dynamic-shape setting.
         options: inductor options (not together with ``mode``).
         regions: class names and/or path globs; default: repeated blocks.
+        on_compile_error: ``"raise"`` naming the failing region, or ``"eager"``: that
+            region alone runs eager, with a warning.
+        recompile_warn_threshold: warn when a block class recompiles this many times
+            (``None``: never).
+        cache_dir: where compile caches go: ``True`` for ``<default_root_dir>/compile_cache``,
+            a path, or ``False`` for torch's default. Checkpoints also carry the artifacts.
         accelerator: passed to ``SingleDeviceStrategy``.
         checkpoint_io: passed to ``SingleDeviceStrategy``.
         precision_plugin: passed to ``SingleDeviceStrategy``.
@@ -127,6 +221,9 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         dynamic: bool | None = None,
         options: dict[str, Any] | None = None,
         regions: str | list[str] | None = None,
+        on_compile_error: Literal["raise", "eager"] = "raise",
+        recompile_warn_threshold: int | None = 8,
+        cache_dir: str | bool = True,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -137,7 +234,17 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._init_regional(backend, mode, fullgraph, dynamic, options, regions)
+        self._init_regional(
+            backend,
+            mode,
+            fullgraph,
+            dynamic,
+            options,
+            regions,
+            on_compile_error,
+            recompile_warn_threshold,
+            cache_dir,
+        )
         self._device_from_trainer: torch.device | None = None
 
     @property
@@ -180,6 +287,9 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         dynamic: ``torch.compile``'s dynamic-shape setting.
         options: inductor options (not together with ``mode``).
         regions: class names and/or path globs; default: repeated blocks.
+        on_compile_error: ``"raise"`` or ``"eager"``, as for ``RegionalCompileStrategy``.
+        recompile_warn_threshold: as for ``RegionalCompileStrategy``.
+        cache_dir: as for ``RegionalCompileStrategy``.
         **kwargs: every ``DDPStrategy`` argument (``process_group_backend``,
             ``start_method``, ``find_unused_parameters``...).
     """
@@ -194,10 +304,23 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         dynamic: bool | None = None,
         options: dict[str, Any] | None = None,
         regions: str | list[str] | None = None,
+        on_compile_error: Literal["raise", "eager"] = "raise",
+        recompile_warn_threshold: int | None = 8,
+        cache_dir: str | bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._init_regional(backend, mode, fullgraph, dynamic, options, regions)
+        self._init_regional(
+            backend,
+            mode,
+            fullgraph,
+            dynamic,
+            options,
+            regions,
+            on_compile_error,
+            recompile_warn_threshold,
+            cache_dir,
+        )
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

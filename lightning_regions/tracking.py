@@ -15,6 +15,7 @@ the calls of different models apart.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,17 +24,30 @@ from typing import Any
 import torch
 
 from .regions import RegionPlan
+from .watch import RecompileWatch
 
 CompiledFn = Callable[..., Any]
+COMPILE_ERROR_POLICIES = ("raise", "eager")
+
+
+class RegionCompileError(RuntimeError):
+    """The backend failed on one region's graph; the region is named, the cause chained."""
+
+
+class RegionCompileWarning(UserWarning):
+    """A region failed to compile and runs eager (``on_compile_error="eager"``)."""
 
 
 @dataclass(eq=False)
 class RegionStats:
     """What one region did: graphs compiled for it, compiled calls it ran, seconds."""
 
+    label: str = ""
+    on_compile_error: str = "raise"
     graphs: int = 0
     compiled_calls: int = 0
     compile_seconds: float = 0.0
+    compile_error: str | None = None
 
 
 class TensorOwners:
@@ -45,12 +59,12 @@ class TensorOwners:
     def __init__(self) -> None:
         self._owners: dict[int, list[tuple[weakref.ref[torch.Tensor], RegionStats]]] = {}
 
-    def register(self, plan: RegionPlan) -> list[RegionStats]:
+    def register(self, plan: RegionPlan, on_compile_error: str) -> list[RegionStats]:
         """Fresh stats for each region of ``plan``, owning the region's tensors."""
         self._drop_dead()
         all_stats = []
         for region in plan.regions:
-            stats = RegionStats()
+            stats = RegionStats(label=region.label, on_compile_error=on_compile_error)
             tensors = {id(t): t for t in (*region.module.parameters(), *region.module.buffers())}
             for tensor_id, tensor in tensors.items():
                 self._owners.setdefault(tensor_id, []).append((weakref.ref(tensor), stats))
@@ -99,7 +113,10 @@ class TrackingBackend:
         tensors = [*example_inputs, *gm.parameters(), *gm.buffers()]
         owners = OWNERS.most_owned(tensors)
         start = time.perf_counter()
-        compiled = self.inner(gm, example_inputs)
+        try:
+            compiled = self.inner(gm, example_inputs)
+        except Exception as error:
+            return _handle_compile_error(error, gm, owners)
         seconds = time.perf_counter() - start
         if not owners:
             self.unattributed_graphs += 1
@@ -112,6 +129,29 @@ class TrackingBackend:
         reset = getattr(self.inner, "reset", None)
         if reset is not None:
             reset()
+
+
+def _handle_compile_error(
+    error: Exception, gm: torch.fx.GraphModule, owners: list[RegionStats]
+) -> CompiledFn:
+    """Raise naming the region, or let that region alone run its graph eagerly."""
+    if not owners:
+        raise error
+    names = "; ".join(stats.label for stats in owners)
+    cause = f"{type(error).__name__}: {error}"
+    if any(stats.on_compile_error == "raise" for stats in owners):
+        raise RegionCompileError(
+            f"Compiling region {names} failed: {cause}. Pass on_compile_error='eager' to run "
+            "this region eager and keep training."
+        ) from error
+    for stats in owners:
+        stats.compile_error = cause
+    warnings.warn(
+        f"Region {names} failed to compile and runs eager: {cause}",
+        RegionCompileWarning,
+        stacklevel=2,
+    )
+    return gm.forward
 
 
 def _counting(compiled: CompiledFn, positions: list[int]) -> CompiledFn:
@@ -152,12 +192,16 @@ def tracking_backend(
 
 @dataclass(eq=False)
 class RegionTracker:
-    """One ``compile_regions`` call: its plan and the stats of each of its regions."""
+    """One ``compile_regions`` call: its plan, each region's stats, its recompiles."""
 
     plan: RegionPlan
     stats: list[RegionStats]
     backend: TrackingBackend
+    watch: RecompileWatch
 
     @classmethod
-    def start(cls, plan: RegionPlan, backend: TrackingBackend) -> RegionTracker:
-        return cls(plan=plan, stats=OWNERS.register(plan), backend=backend)
+    def start(
+        cls, plan: RegionPlan, backend: TrackingBackend, on_compile_error: str = "raise"
+    ) -> RegionTracker:
+        stats = OWNERS.register(plan, on_compile_error)
+        return cls(plan=plan, stats=stats, backend=backend, watch=RecompileWatch(plan))

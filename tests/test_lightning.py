@@ -288,3 +288,74 @@ def test_strategy_leaves_the_source_types_and_keys(tmp_path):
     trainer(tmp_path, RegionalCompileStrategy(backend="eager"), steps=1).fit(model, data())
     assert list(model.state_dict()) == keys
     assert [type(m) for m in model.modules()] == [type(m) for m in before.modules()]
+
+
+# --- loud failures through the strategy ---------------------------------------------
+
+
+class FailsOnLayerNorm:
+    """A backend that cannot lower layer_norm, so GPTBlock regions fail to compile."""
+
+    def __call__(self, gm, example_inputs):
+        if any("layer_norm" in str(node.target) for node in gm.graph.nodes):
+            raise NotImplementedError("no lowering for layer_norm")
+        return gm.forward
+
+
+def test_compile_error_policy_raise_names_the_block(tmp_path):
+    strategy = RegionalCompileStrategy(backend=FailsOnLayerNorm())
+    with pytest.raises(Exception, match=r"Compiling region GPTBlock at model\.blocks\.0"):
+        trainer(tmp_path, strategy, steps=1).fit(gpt(), data())
+
+
+def test_compile_error_policy_eager_trains_on_and_loses_nothing(tmp_path):
+    compiled, eager = gpt(), gpt()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    strategy = RegionalCompileStrategy(backend=FailsOnLayerNorm(), on_compile_error="eager")
+    with pytest.warns(UserWarning, match=r"Region GPTBlock at model\.blocks\.0.*runs eager"):
+        trainer(tmp_path, strategy, callbacks=[checkpoint]).fit(compiled, data())
+    trainer(tmp_path, "auto").fit(eager, data())
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    gpt().load_state_dict(state, strict=True)
+
+
+class VaryingLengths(CharDataModule):
+    """Batches whose sequence length changes every step: a classic recompile storm."""
+
+    def train_dataloader(self):
+        tokens = self.tokens
+        batches = [
+            (tokens[: 4 * n].view(4, n), tokens[1 : 4 * n + 1].view(4, n)) for n in range(4, 12)
+        ]
+        return torch.utils.data.DataLoader(batches, batch_size=None)
+
+
+def test_a_recompile_storm_warns_naming_the_block_and_torchs_reason(tmp_path):
+    strategy = RegionalCompileStrategy(backend="eager", dynamic=False, recompile_warn_threshold=3)
+    with pytest.warns(UserWarning, match=r"GPTBlock recompiled 3 times.*size mismatch"):
+        trainer(tmp_path, strategy, steps=6).fit(gpt(), VaryingLengths(block_size=16, batch_size=4))
+
+
+class WithUnusedBlocks(GPTModule):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.unused = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+
+def test_regions_that_never_ran_compiled_are_reported_after_the_first_step(tmp_path):
+    model = WithUnusedBlocks(vocab_size=data().vocab_size, **SMALL)
+    strategy = RegionalCompileStrategy(backend="eager")
+    with pytest.warns(UserWarning, match=r"2 region\(s\) never ran compiled code.*unused\.0"):
+        trainer(tmp_path, strategy, steps=2).fit(model, data())
+
+
+def test_cache_dir_defaults_under_default_root_dir_and_is_restored(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "outside"))
+    strategy = RegionalCompileStrategy(backend="eager")
+    trainer(tmp_path, strategy, steps=1).fit(gpt(), data())
+    assert strategy.run_cache_dir() == str(tmp_path / "compile_cache")
+    assert (tmp_path / "compile_cache").is_dir()
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "outside")

@@ -1,0 +1,124 @@
+"""Recompiles, recompile-limit hits and graph breaks, from torch's own records.
+
+Dynamo records one ``CompilationMetrics`` entry per frame compile
+(``torch._dynamo.utils.get_compilation_metrics()``), with the code object's name,
+file and line, the guard failure that caused a recompile (``recompile_reason``) and
+why a compile failed (``fail_reason``). All regions of one class share that class's
+code (``forward``, or our per-class trampoline for torch built-ins), so counts are per
+block class. ``RecompileWatch`` keeps a running tally, since torch keeps only the last
+64 entries.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from types import CodeType
+
+import torch
+from torch import nn
+
+from .graph import unwrap
+from .regions import RegionPlan
+
+CodeKey = tuple[str, str, int]
+
+
+class RecompileStormWarning(UserWarning):
+    """A block class recompiled at least ``recompile_warn_threshold`` times."""
+
+
+@dataclass
+class ClassRecompiles:
+    """Recompiles of one block class's code, with torch's stated reasons."""
+
+    class_name: str
+    recompiles: int = 0
+    limit_hits: int = 0
+    reasons: list[str] = field(default_factory=list)
+    warned: bool = False
+
+
+def _entry_id(metrics: object) -> tuple[object, object]:
+    """Compile ids restart after ``torch._dynamo.reset()``; start times do not."""
+    return (getattr(metrics, "compile_id", None), getattr(metrics, "start_time_us", None))
+
+
+def _key(code: CodeType) -> CodeKey:
+    return (code.co_name, code.co_filename, code.co_firstlineno)
+
+
+def region_codes(module: nn.Module) -> list[CodeType]:
+    """The code objects dynamo compiles for a region of this module's class."""
+    from .compile import _CALL_THROUGH  # the per-class trampolines, if one was made
+
+    cls = type(unwrap(module))
+    codes = [cls.forward.__code__]
+    if cls in _CALL_THROUGH:
+        codes.append(_CALL_THROUGH[cls].__code__)
+    return codes
+
+
+class RecompileWatch:
+    """Running per-class tally of recompiles since this watch was created."""
+
+    def __init__(self, plan: RegionPlan) -> None:
+        self.plan = plan
+        self.by_code: dict[CodeKey, ClassRecompiles] = {}
+        self.by_frame: dict[str, ClassRecompiles] = {}
+        self._seen = {_entry_id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+
+    @property
+    def classes(self) -> list[ClassRecompiles]:
+        return list({id(entry): entry for entry in self.by_code.values()}.values())
+
+    def _index_codes(self) -> None:
+        """Map region code to class (trampolines exist only once regions are compiled)."""
+        by_class: dict[str, ClassRecompiles] = {e.class_name: e for e in self.by_code.values()}
+        for region in self.plan.regions:
+            entry = by_class.setdefault(region.class_name, ClassRecompiles(region.class_name))
+            for code in region_codes(region.module):
+                self.by_code.setdefault(_key(code), entry)
+
+    def refresh(self) -> list[ClassRecompiles]:
+        """Count the compiles torch recorded since the last refresh."""
+        self._index_codes()
+        for metrics in torch._dynamo.utils.get_compilation_metrics():
+            if _entry_id(metrics) in self._seen:
+                continue
+            self._seen.add(_entry_id(metrics))
+            # "frame/attempt": an entry of a recompile-limit hit names no code, only its frame.
+            frame = str(metrics.compile_id).split("/")[0]
+            key = (metrics.co_name, metrics.co_filename, metrics.co_firstlineno)
+            entry = self.by_code.get(key) or self.by_frame.get(frame)  # type: ignore[arg-type]
+            if entry is None:
+                continue
+            self.by_frame[frame] = entry
+            if metrics.recompile_reason:
+                entry.recompiles += 1
+                entry.reasons.append(metrics.recompile_reason)
+            if "recompile limit" in (metrics.fail_reason or "").lower():
+                entry.limit_hits += 1
+        return self.classes
+
+    def warn_storms(self, threshold: int) -> list[ClassRecompiles]:
+        """Warn once per class that reached ``threshold`` recompiles; return those."""
+        stormy = []
+        for entry in self.refresh():
+            if entry.recompiles >= threshold and not entry.warned:
+                entry.warned = True
+                stormy.append(entry)
+                warnings.warn(
+                    f"Region class {entry.class_name} recompiled {entry.recompiles} times "
+                    f"(threshold {threshold}, recompile-limit hits {entry.limit_hits}). "
+                    f"Torch's last reason: {entry.reasons[-1]}. Varying shapes are a common "
+                    "cause: pad inputs to fixed sizes or pass dynamic=True.",
+                    RecompileStormWarning,
+                    stacklevel=2,
+                )
+        return stormy
+
+
+def graph_breaks() -> int:
+    """Graph breaks dynamo counted in this process."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())

@@ -1,0 +1,106 @@
+"""Loud failures: per-region compile errors, recompile storms, guarded cache artifacts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import SharedModel, Stack, tokens
+from torch import nn
+
+from lightning_regions import compile_regions, region_report
+from lightning_regions.cache import (
+    CacheArtifactsIgnoredWarning,
+    artifact_guard,
+    unpack_artifacts,
+)
+from lightning_regions.tracking import RegionCompileError, RegionCompileWarning
+from lightning_regions.watch import RecompileStormWarning
+
+
+class FailsOnLayerNorm:
+    """A backend that cannot lower layer_norm: it fails for the Block class only."""
+
+    def __call__(self, gm, example_inputs):
+        if any("layer_norm" in str(node.target) for node in gm.graph.nodes):
+            raise NotImplementedError("no lowering for layer_norm")
+        return gm.forward
+
+
+def block_failing_model() -> nn.Module:
+    model = SharedModel(depth=2)
+    model.extra = Stack(depth=2).layers  # a second block class the backend handles
+    return model
+
+
+def test_raise_policy_names_the_region_and_chains_the_error():
+    model = compile_regions(block_failing_model(), backend=FailsOnLayerNorm())
+    with pytest.raises(Exception, match=r"Compiling region Block at blocks\.0") as info:
+        model(tokens())
+    chain, error = [], info.value
+    while error is not None:  # dynamo wraps backend errors in BackendCompilerFailed
+        chain.append(error)
+        error = error.__cause__ or error.__context__ or getattr(error, "inner_exception", None)
+    assert any(isinstance(e, RegionCompileError) for e in chain)
+    assert any(isinstance(e, NotImplementedError) for e in chain)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_eager_policy_falls_back_for_that_region_only(inplace):
+    source = block_failing_model()
+    eager = copy.deepcopy(source)
+    model = compile_regions(
+        source, inplace=inplace, on_compile_error="eager", backend=FailsOnLayerNorm()
+    )
+    with pytest.warns(RegionCompileWarning, match=r"Region Block at blocks\.0.*layer_norm"):
+        out = model(tokens())
+    torch.testing.assert_close(out, eager(tokens()))
+    for layer in model.extra:
+        layer(torch.randn(2, 8))
+    report = region_report(model)
+    failed = [row for row in report.rows if row.compile_error]
+    assert [row.paths[0] for row in failed] == ["blocks.0"]
+    assert "EAGER (compile failed: NotImplementedError" in str(report)
+    assert all(row.compiled_calls == 1 for row in report.rows if row.class_name == "Sequential")
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="on_compile_error='skip'"):
+        compile_regions(Stack(), on_compile_error="skip", backend="eager")
+
+
+def test_a_recompile_storm_is_counted_and_named(counting_backend):
+    model = compile_regions(Stack(depth=3), inplace=True, backend="eager", dynamic=False)
+    for length in range(2, 7):  # a new sequence length each step, dynamic shapes off
+        model(torch.randn(length, 8, requires_grad=True))
+    tracker = model.__dict__["_lightning_regions_tracker"]
+    with pytest.warns(RecompileStormWarning, match=r"Sequential recompiled 4 times.*size"):
+        stormy = tracker.watch.warn_storms(threshold=3)
+    assert [entry.class_name for entry in stormy] == ["Sequential"]
+    assert tracker.watch.warn_storms(threshold=3) == []  # warned once
+    text = str(region_report(model))
+    assert "recompiles of Sequential: 4" in text
+
+
+def test_mismatched_artifacts_are_ignored_with_one_warning():
+    guard = artifact_guard("cpu", {"backend": "inductor", "mode": "default"})
+    payload = {"guard": dict(guard, torch="1.0.0"), "artifacts": b"not loaded"}
+    with pytest.warns(CacheArtifactsIgnoredWarning, match="torch: saved '1.0.0'") as record:
+        assert unpack_artifacts(payload, guard) is False
+    assert len(record) == 1
+    other = artifact_guard("cuda", {"backend": "inductor", "mode": "max-autotune"})
+    with pytest.warns(CacheArtifactsIgnoredWarning, match="device_type.*options"):
+        assert unpack_artifacts({"guard": other, "artifacts": b"x"}, guard) is False
+    assert unpack_artifacts(None, guard) is False
+
+
+def test_recompile_limit_hits_are_counted():
+    model = compile_regions(
+        Stack(depth=2), inplace=True, backend="eager", dynamic=False, recompile_limit=2
+    )
+    for length in range(2, 6):
+        model(torch.randn(length, 8, requires_grad=True))
+    (entry,) = region_report(model).recompiles
+    assert entry.limit_hits >= 1
+    assert "recompile-limit hits" in str(region_report(model))
