@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_regions import snapshot
+
 WIDTH = 8
 
 
@@ -95,3 +97,14 @@ class Flat(nn.Module):
 def tokens(batch: int = 2, length: int = 5, vocab: int = 11, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=generator)
+
+
+def registrations(module: nn.Module) -> dict[int, tuple]:
+    """Every module's registration dicts, as (name, object id) items: to prove no change."""
+    return {
+        id(m): tuple(
+            tuple((name, id(v)) for name, v in getattr(m, attr).items())
+            for attr in ("_modules", "_parameters", "_buffers")
+        )
+        for m in snapshot(module).distinct_modules()
+    }

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from accelerate.utils import extract_model_from_parallel
-from models import Flat, SharedModel, Stack, tokens
+from models import Flat, SharedModel, Stack, registrations, tokens
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
@@ -21,17 +21,6 @@ from lightning_regions import (
 )
 
 MODES = [pytest.param(False, id="out_of_place"), pytest.param(True, id="in_place")]
-
-
-def registrations(module: nn.Module) -> dict[int, tuple]:
-    """Every module's registration dicts, as (name, object id) items."""
-    return {
-        id(m): tuple(
-            tuple((name, id(v)) for name, v in getattr(m, attr).items())
-            for attr in ("_modules", "_parameters", "_buffers")
-        )
-        for m in snapshot(module).distinct_modules()
-    }
 
 
 def grads_by_path(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import copy
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import registrations
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
@@ -127,16 +128,6 @@ def module_graphs(draw: st.DrawFn) -> nn.Module:
             a, b = draw(st.permutations(linears))[:2]
             b.weight = a.weight
     return root
-
-
-def registrations(module: nn.Module) -> dict[int, tuple]:
-    return {
-        id(m): tuple(
-            tuple((name, id(v)) for name, v in getattr(m, attr).items())
-            for attr in ("_modules", "_parameters", "_buffers")
-        )
-        for m in snapshot(module).distinct_modules()
-    }
 
 
 def resolves_like(result: nn.Module, source: nn.Module) -> None:
