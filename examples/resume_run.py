@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.lightning_gpt import CharDataModule, GPTModule, StepTimer  # noqa: E402
-from lightning_regions import RegionalCompileStrategy  # noqa: E402
+from examples.lightning_gpt import CharDataModule, GPTModule, StepTimer
+from lightning_regions import RegionalCompileStrategy
 
 
 def main() -> None:

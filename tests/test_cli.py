@@ -94,3 +94,13 @@ def test_console_script_is_installed_and_registers_names():
     )
     assert result.returncode == 0, result.stderr
     assert "regional_compile" in result.stdout
+
+
+def test_albert_config_compiles_one_region_at_every_position(tmp_path):
+    cli = parse("--config", str(CONFIGS / "albert.yaml"), f"--trainer.default_root_dir={tmp_path}")
+    blocks = cli.model.model.blocks
+    assert all(block is blocks[0] for block in blocks)
+    from lightning_regions import find_regions
+
+    (region,) = find_regions(cli.model).regions
+    assert len(region.paths) == 8
