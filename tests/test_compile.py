@@ -252,3 +252,18 @@ def test_bad_compile_arguments_raise_before_anything_is_compiled(kwargs, message
     with pytest.raises(ValueError, match=message):
         compile_regions(model, inplace=True, **kwargs)
     assert all(m._compiled_call_impl is None for m in model.modules())
+
+
+def test_torch_builtin_blocks_really_compile_in_place(counting_backend):
+    """nn.Module.compile() alone runs a torch.nn class eager; ours must not."""
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
+    model = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False).eval()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 2, 8)
+    compile_regions(model, inplace=True, backend=counting_backend)
+    torch.testing.assert_close(model(x), eager(x))
+    report = region_report(model)
+    assert [row.compiled_calls >= 1 for row in report.rows] == [True] * 3
+    # One layer's graphs (torch's layer forward has a graph break), reused by all three.
+    assert report.rows[0].graphs >= 1 and len(counting_backend.graphs) <= 2
+    assert report.rows[1].graphs == report.rows[2].graphs == 0
