@@ -59,7 +59,11 @@ def main_job() -> None:
     print(f"ties kept: {ties}")
     verdict = "passed" if check.broken == [] else f"FAILED: {check.broken}"
     print(f"tie check: {verdict}")
-    print(f"{'':12}{'first step (compile)':>22}{'steady step':>14}{'val perplexity':>16}")
+    print(
+        f"compile time: {report.compile_seconds:.1f} s in the backend for {report.graphs} "
+        "graph(s): the eval graph (compiled during the sanity check) and the train graph"
+    )
+    print(f"{'':12}{'first train step':>22}{'steady step':>14}{'val perplexity':>16}")
     for name, cli, t in (("regional", regional, timer), ("eager", eager, eager_timer)):
         print(
             f"{name:12}{t.first_step_seconds:>20.1f} s{t.steady_step_ms:>11.1f} ms"
