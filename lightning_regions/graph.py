@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
@@ -67,18 +68,22 @@ class ModuleGraph:
     modules: dict[str, nn.Module | None]
     parameters: dict[str, nn.Parameter]
 
+    @cached_property
+    def _paths_by_module(self) -> dict[int, tuple[nn.Module, list[str]]]:
+        """Each distinct module with its paths, in first-registration order (built once)."""
+        index: dict[int, tuple[nn.Module, list[str]]] = {}
+        for path, module in self.modules.items():
+            if module is not None:
+                index.setdefault(id(module), (module, []))[1].append(path)
+        return index
+
     def paths_of(self, module: nn.Module) -> list[str]:
         """Every canonical path under which ``module`` (unwrapped) is registered."""
-        target = unwrap(module)
-        return [path for path, m in self.modules.items() if m is target]
+        return list(self._paths_by_module.get(id(unwrap(module)), (None, []))[1])
 
     def distinct_modules(self) -> list[nn.Module]:
         """Each registered module once, in first-registration order."""
-        seen: dict[int, nn.Module] = {}
-        for module in self.modules.values():
-            if module is not None:
-                seen.setdefault(id(module), module)
-        return list(seen.values())
+        return [module for module, _ in self._paths_by_module.values()]
 
     @property
     def alias_groups(self) -> list[tuple[str, ...]]:
@@ -103,11 +108,7 @@ class ModuleGraph:
         return _own_groups(self.tie_groups, self._first_paths())
 
     def _first_paths(self) -> set[str]:
-        first: dict[int, str] = {}
-        for path, module in self.modules.items():
-            if module is not None:
-                first.setdefault(id(module), path)
-        return set(first.values())
+        return {paths[0] for _, paths in self._paths_by_module.values()}
 
     @property
     def none_paths(self) -> list[str]:

@@ -73,7 +73,9 @@ class RecompileWatch:
         return list({id(entry): entry for entry in self.by_code.values()}.values())
 
     def _index_codes(self) -> None:
-        """Map region code to class (trampolines exist only once regions are compiled)."""
+        """Map region code to class, once: trampolines exist only after compilation."""
+        if self.by_code:
+            return
         by_class: dict[str, ClassRecompiles] = {e.class_name: e for e in self.by_code.values()}
         for region in self.plan.regions:
             entry = by_class.setdefault(region.class_name, ClassRecompiles(region.class_name))
