@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test test-slow lint demo bench clean
 
 install: $(STAMP)
 
@@ -21,12 +21,16 @@ lint: install
 test: lint
 	$(VENV)/bin/pytest
 
+test-slow: install
+	$(VENV)/bin/pytest -m slow
+
 demo: install
 	$(PY) examples/demo.py
 
 bench: install
 	$(PY) benchmarks/compile_time.py
 	$(PY) benchmarks/warm_start.py
+	$(PY) benchmarks/steady_state.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -23,6 +24,7 @@ class GPTConfig:
     n_head: int = 2
     n_embd: int = 32
     unique_blocks: int | None = None  # None: every position has its own block
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,7 +87,10 @@ class TinyGPT(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
         for block in self.layers:
-            x = block(x)
+            if self.config.gradient_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

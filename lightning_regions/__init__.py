@@ -5,7 +5,7 @@ Importing the package registers the ``"regional_compile"`` and
 """
 
 from .cache import CacheArtifactsIgnoredWarning
-from .compile import compile_regions
+from .compile import compile_regions, end_observation
 from .graph import ModuleGraph, snapshot
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
 from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled
@@ -32,6 +32,7 @@ __all__ = [
     "TiedWeightsCheck",
     "TiedWeightsError",
     "compile_regions",
+    "end_observation",
     "find_regions",
     "region_report",
     "snapshot",

@@ -8,8 +8,8 @@ object (``InPlace`` or ``OutOfPlace``) instead of being written twice.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from types import FunctionType, MethodType
+from collections.abc import Callable, Iterator
+from types import MethodType
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +18,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 from .graph import unwrap
 from .regions import RegionPlan, Selectors, find_regions
-from .tracking import COMPILE_ERROR_POLICIES, RegionTracker, tracking_backend
+from .tracking import COMPILE_ERROR_POLICIES, OBSERVED_CALLS, RegionTracker, tracking_backend
+from .trampolines import needs_trampoline, trampoline
 
 #: Where the tracker of the last ``compile_regions`` call is kept on the result's root.
 TRACKER_ATTRIBUTE = "_lightning_regions_tracker"
@@ -37,21 +38,23 @@ class InPlace:
     a torch built-in class (``nn.Linear``, ``nn.Sequential``, ``nn.TransformerEncoderLayer``
     ...) that would be a silent no-op: dynamo skips frames in ``torch.nn``, so the
     region would run eager. There the module's call goes through a small per-class
-    function of ours, which dynamo compiles and inlines the module through.
+    function of ours (``trampolines``), which dynamo compiles and inlines the module through.
     """
 
-    def __init__(self, compile_kwargs: dict[str, Any]) -> None:
+    def __init__(self, compile_kwargs: dict[str, Any], tracker: RegionTracker) -> None:
         self.compile_kwargs = compile_kwargs
+        self.tracker = tracker
         self.compiled_now = 0
 
     def region(self, module: nn.Module) -> nn.Module:
         if is_compiled(module):
             return module
-        if type(module).forward.__module__.startswith("torch."):
-            call = MethodType(_call_through(type(module)), module)
+        if needs_trampoline(type(module)):
+            call = MethodType(trampoline(type(module)), module)
             module._compiled_call_impl = torch.compile(call, **self.compile_kwargs)
         else:
             module.compile(**self.compile_kwargs)
+        self.tracker.observe(module, module.__dict__, "_compiled_call_impl")
         self.compiled_now += 1
         return module
 
@@ -62,36 +65,42 @@ class InPlace:
 class OutOfPlace:
     """Wrap each region in an ``OptimizedModule``; rebuild parents, share everything else."""
 
-    def __init__(self, compile_kwargs: dict[str, Any]) -> None:
+    def __init__(self, compile_kwargs: dict[str, Any], tracker: RegionTracker) -> None:
         self.compile_kwargs = compile_kwargs
+        self.tracker = tracker
 
     def region(self, module: nn.Module) -> nn.Module:
         if is_compiled(module):
             return module
-        return torch.compile(module, **self.compile_kwargs)
+        compiled = torch.compile(module, **self.compile_kwargs)
+        if any(hasattr(type(module), name) for name in CONTAINER_PROTOCOL):
+            compiled.__class__ = ContainerOptimizedModule
+        self.tracker.observe(module, compiled.__dict__, "forward")
+        return compiled
 
     def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
         return shallow_copy(module, children)
 
 
-def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return module._call_impl(*args, **kwargs)
+#: What code written against a container region uses: ``region[0]``, ``len``, ``for``.
+CONTAINER_PROTOCOL = ("__getitem__", "__len__", "__iter__")
 
 
-_CALL_THROUGH: dict[type, FunctionType] = {}
+class ContainerOptimizedModule(OptimizedModule):
+    """An ``OptimizedModule`` whose source is a container: indexing, ``len`` and
+    iteration forward to the source, as attribute access already does."""
 
+    def __getitem__(self, index: Any) -> Any:
+        return self._orig_mod[index]
 
-def _call_through(cls: type) -> FunctionType:
-    """A copy of ``_call_module`` with its own code object for ``cls``.
+    def __len__(self) -> int:
+        return len(self._orig_mod)
 
-    Dynamo caches compiled code per code object; one copy per class keeps each
-    class's recompile budget its own, as ``nn.Module.compile`` gets from ``forward``.
-    """
-    if cls not in _CALL_THROUGH:
-        name = f"call_{cls.__name__}"
-        code = _call_module.__code__.replace(co_name=name, co_qualname=name)
-        _CALL_THROUGH[cls] = FunctionType(code, _call_module.__globals__, name)
-    return _CALL_THROUGH[cls]
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._orig_mod)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._orig_mod
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -178,6 +187,8 @@ def compile_regions(
     inplace: bool = False,
     regions: Selectors = None,
     on_compile_error: str = "raise",
+    observe_calls: int | None = OBSERVED_CALLS,
+    root_is_called: bool = True,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """Compile the repeated blocks of ``module``, keeping its shared structure exactly.
@@ -197,17 +208,27 @@ def compile_regions(
     ``regions`` takes class names and/or path globs; see ``find_regions``.
     ``on_compile_error="raise"`` (default) raises ``RegionCompileError`` naming the region
     whose graph the backend failed on; ``"eager"`` warns and runs that region eager.
+
+    The report counts graphs and compiled calls of each region's first ``observe_calls``
+    calls (``None``: until ``end_observation(result)``); after that, nothing of ours is
+    on a region's call path. ``root_is_called=False`` says that nobody calls ``module``
+    itself (a LightningModule under Lightning), which changes the fallback for a model
+    without repeated blocks; see ``find_regions``.
     """
     validate_on_compile_error(on_compile_error)
-    plan = find_regions(module, regions)
-    tracker, torch_kwargs = tracked_compile_kwargs(plan, compile_kwargs, on_compile_error)
+    if observe_calls is not None and observe_calls < 1:
+        raise ValueError(f"observe_calls={observe_calls}: use a positive count, or None.")
+    plan = find_regions(module, regions, root_is_called=root_is_called)
+    tracker, torch_kwargs = tracked_compile_kwargs(
+        plan, compile_kwargs, on_compile_error, observe_calls
+    )
     if inplace:
-        in_place = InPlace(torch_kwargs)
+        in_place = InPlace(torch_kwargs, tracker)
         result = apply_plan(module, plan, in_place)
         if in_place.compiled_now == 0 and tracker_of(result) is not None:
             return result  # already compiled: keep the tracker that saw it happen
     else:
-        result = apply_plan(module, plan, OutOfPlace(torch_kwargs))
+        result = apply_plan(module, plan, OutOfPlace(torch_kwargs, tracker))
         if "_orig_mod" not in result.__dict__:
             result.__dict__["_orig_mod"] = module
     result.__dict__[TRACKER_ATTRIBUTE] = tracker
@@ -215,7 +236,10 @@ def compile_regions(
 
 
 def tracked_compile_kwargs(
-    plan: RegionPlan, compile_kwargs: dict[str, Any], on_compile_error: str = "raise"
+    plan: RegionPlan,
+    compile_kwargs: dict[str, Any],
+    on_compile_error: str = "raise",
+    observe_calls: int | None = OBSERVED_CALLS,
 ) -> tuple[RegionTracker, dict[str, Any]]:
     """Swap the backend in ``compile_kwargs`` for a ``RegionTracker`` around it."""
     kwargs = dict(compile_kwargs)
@@ -224,7 +248,7 @@ def tracked_compile_kwargs(
     validate_compile_arguments(backend, mode, options)
     tracking = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
     kwargs["backend"] = tracking
-    return RegionTracker.start(plan, tracking, on_compile_error), kwargs
+    return RegionTracker.start(plan, tracking, on_compile_error, observe_calls), kwargs
 
 
 def validate_on_compile_error(policy: str) -> None:
@@ -254,3 +278,10 @@ def validate_compile_arguments(
 def tracker_of(module: nn.Module) -> RegionTracker | None:
     """The tracker left on ``module`` by ``compile_regions``, if any."""
     return module.__dict__.get(TRACKER_ATTRIBUTE)
+
+
+def end_observation(module: nn.Module) -> None:
+    """Stop counting calls of ``module``'s regions: torch's compiled calls go back in place."""
+    tracker = tracker_of(module)
+    if tracker is not None:
+        tracker.end_observation()

@@ -5,8 +5,18 @@ Three sources, in order of precedence:
 1. ``regions=``: selectors from the user, each a class name or a path glob.
 2. Model hints: a ``_repeated_blocks`` (diffusers) or ``_no_split_modules``
    (transformers) class attribute that names block classes.
-3. Automatic: every ``ModuleList`` or ``Sequential`` whose entries are two or more
-   modules of one class.
+3. Automatic, what runs repeatedly:
+   - repeats in space: every ``ModuleList`` or ``Sequential`` whose entries are two or
+     more modules of one class;
+   - repeats in time: a ``ModuleList`` holding one block (accelerate's rule; ALBERT's
+     layer group), and a block that its parent's ``forward`` calls inside a loop
+     (looped and universal transformers), read from the bytecode of ``forward``.
+     Both count only blocks with parameters whose class is not torch's own.
+
+Without any of these, the fallback compiles what runs: the whole model when it is
+called itself, else (``root_is_called=False``, a LightningModule under Lightning,
+whose ``forward`` the training loop does not call) each top-level child that holds
+parameters, as ``torch.compile(self.model)`` in ``configure_model`` would.
 
 Each distinct module appears in the plan once, with all of its paths. A candidate
 that lies inside another candidate is dropped: the outer one compiles it. Containers
@@ -16,10 +26,13 @@ names one selects its entries. A ``Sequential`` is callable, so it can be a bloc
 
 from __future__ import annotations
 
+import dis
 import fnmatch
+import itertools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import CodeType
 
 from torch import nn
 
@@ -67,36 +80,78 @@ class RegionPlan:
         return {id(region.module) for region in self.regions}
 
 
-def find_regions(module: nn.Module, regions: Selectors = None) -> RegionPlan:
+def find_regions(
+    module: nn.Module, regions: Selectors = None, *, root_is_called: bool = True
+) -> RegionPlan:
     """Plan regional compilation of ``module`` without compiling anything.
 
     Raises ``ValueError`` when a selector in ``regions`` matches nothing. Warns with
-    ``NoRepeatedBlocksWarning`` and plans the whole model as one region when no
-    repeated block is found.
+    ``NoRepeatedBlocksWarning`` when no repeated block is found, and then plans the
+    whole model, or (``root_is_called=False``) its top-level children with parameters.
     """
     graph = snapshot(module)
     selectors = _as_list(regions)
     if selectors:
         candidates = _select(graph, selectors)
     else:
-        candidates = _from_hints(graph) or _repeated_blocks(graph)
+        candidates = _from_hints(graph) or [
+            *_repeated_blocks(graph),
+            *_single_block_lists(graph),
+            *_called_in_loops(graph),
+        ]
     if not candidates:
-        warnings.warn(
-            f"{type(module).__name__} has no repeated blocks (no ModuleList/Sequential of "
-            "two or more modules of one class, and no _repeated_blocks or _no_split_modules "
-            "hint), so the whole model is compiled as one region. Pass regions=[...] with "
-            "class names or path globs to choose blocks.",
-            NoRepeatedBlocksWarning,
-            stacklevel=2,
-        )
-        root = unwrap(module)
-        whole = Region(module=root, paths=("",), reason="whole model: no repeated blocks")
-        return RegionPlan(regions=(whole,), graph=graph, whole_model=True)
-    outermost = _drop_nested(candidates)
+        return _fallback_plan(module, graph, root_is_called)
+    distinct: dict[int, tuple[nn.Module, str]] = {}
+    for candidate, reason in candidates:  # a module found by two rules: the first reason
+        distinct.setdefault(id(candidate), (candidate, reason))
+    outermost = _drop_nested(list(distinct.values()))
     chosen = tuple(
         Region(module=m, paths=tuple(graph.paths_of(m)), reason=reason) for m, reason in outermost
     )
     return RegionPlan(regions=chosen, graph=graph)
+
+
+def _fallback_plan(module: nn.Module, graph: ModuleGraph, root_is_called: bool) -> RegionPlan:
+    root = unwrap(module)
+    name = type(root).__name__
+    searched = (
+        "no ModuleList/Sequential of two or more modules of one class, no ModuleList of "
+        "one block, no block called in a loop, and no _repeated_blocks or _no_split_modules hint"
+    )
+    fix = "Pass regions=[...] with class names or path globs to choose blocks."
+    if root_is_called:
+        warnings.warn(
+            f"{name} has no repeated blocks ({searched}), so the whole model is compiled "
+            f"as one region. {fix}",
+            NoRepeatedBlocksWarning,
+            stacklevel=3,
+        )
+        whole = Region(module=root, paths=("",), reason="whole model: no repeated blocks")
+        return RegionPlan(regions=(whole,), graph=graph, whole_model=True)
+    children = [
+        entry
+        for child in root._modules.values()
+        if child is not None
+        for entry in _expand_containers(child)
+        if _has_parameters(entry)
+    ]
+    children = list({id(child): child for child in children}.values())
+    warnings.warn(
+        f"{name} has no repeated blocks ({searched}), and its own forward is not what the "
+        f"training loop calls, so each top-level child with parameters is compiled whole: "
+        f"{[graph.paths_of(child)[0] for child in children]}. {fix}",
+        NoRepeatedBlocksWarning,
+        stacklevel=3,
+    )
+    chosen = tuple(
+        Region(
+            module=child,
+            paths=tuple(graph.paths_of(child)),
+            reason="top-level child with parameters (no repeated blocks)",
+        )
+        for child in children
+    )
+    return RegionPlan(regions=chosen, graph=graph, whole_model=True)
 
 
 def _as_list(regions: Selectors) -> list[str]:
@@ -182,6 +237,78 @@ def _repeated_blocks(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
         for child in entries:
             candidates.setdefault(id(child), (child, why))
     return list(candidates.values())
+
+
+def _is_user_block(module: nn.Module) -> bool:
+    """A module with parameters whose code is not torch's own (a ``Sequential`` counts)."""
+    cls = type(unwrap(module))
+    own_code = not cls.__module__.startswith("torch.") or isinstance(module, nn.Sequential)
+    return own_code and not isinstance(module, LIST_TYPES) and _has_parameters(module)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _single_block_lists(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
+    """A ``ModuleList`` holding one block: a block run in a loop (accelerate's rule)."""
+    found = []
+    for path, container in graph.modules.items():
+        if isinstance(container, nn.ModuleList):
+            entries = _entries(container)
+            if len(entries) == 1 and _is_user_block(entries[0]):
+                name = type(unwrap(entries[0])).__name__
+                found.append((entries[0], f"one {name} in ModuleList '{path}', run repeatedly"))
+    return found
+
+
+def _called_in_loops(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
+    """Blocks that their parent's ``forward`` calls inside a loop: repeats in time."""
+    found = []
+    for parent in graph.distinct_modules():
+        forward = type(parent).forward
+        code = getattr(forward, "__code__", None)
+        if code is None or forward.__module__.startswith("torch."):
+            continue
+        for name in sorted(_attributes_loaded_in_loops(code)):
+            child = parent._modules.get(name)
+            if child is not None and _is_user_block(child):
+                where = f"{type(parent).__name__}.forward"
+                found.append((child, f"{type(child).__name__} called in a loop in {where}"))
+    return found
+
+
+def _attributes_loaded_in_loops(code: CodeType, self_name: str | None = None) -> set[str]:
+    """Names ``x`` of ``self.x`` loaded inside a loop of ``code`` or a comprehension in it.
+
+    A loop is the span from a backward jump's target to the jump. Comprehensions and
+    generator expressions compiled as their own code object are loops as a whole.
+    """
+    if self_name is None:
+        self_name = code.co_varnames[0] if code.co_argcount else ""
+    instructions = list(dis.get_instructions(code))
+    loops = [
+        (instruction.argval, instruction.offset)
+        for instruction in instructions
+        if "JUMP" in instruction.opname
+        and isinstance(instruction.argval, int)
+        and instruction.argval < instruction.offset
+    ]
+    whole = code.co_name in ("<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>")
+    names = set()
+    for before, instruction in itertools.pairwise(instructions):
+        in_loop = whole or any(start <= instruction.offset <= end for start, end in loops)
+        if (
+            in_loop
+            and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and before.opname.startswith(("LOAD_FAST", "LOAD_DEREF"))
+            and before.argval == self_name
+        ):
+            names.add(instruction.argval)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _attributes_loaded_in_loops(const, self_name)
+    return names
 
 
 def _drop_nested(candidates: list[tuple[nn.Module, str]]) -> list[tuple[nn.Module, str]]:

@@ -26,9 +26,9 @@ class RegionRow:
     paths: tuple[str, ...]
     reason: str
     graphs: int
+    observed_calls: int
     compiled_calls: int
     compile_seconds: float
-    tracked: bool
     compile_error: str | None = None
 
 
@@ -53,8 +53,8 @@ class RegionReport:
 
     @property
     def never_ran_compiled(self) -> tuple[RegionRow, ...]:
-        """Tracked regions with no compiled call: they ran eager, or did not run at all."""
-        return tuple(row for row in self.rows if row.tracked and row.compiled_calls == 0)
+        """Regions with no compiled call: they ran eager, or were never called."""
+        return tuple(row for row in self.rows if row.compiled_calls == 0)
 
     def __str__(self) -> str:
         lines = [
@@ -62,16 +62,18 @@ class RegionReport:
             f"{self.compile_seconds:.2f}s in the backend"
             + (" [whole model: no repeated blocks]" if self.whole_model else "")
         ]
-        started = any(row.compiled_calls or row.graphs for row in self.rows)
+        started = any(row.observed_calls or row.graphs for row in self.rows)
         for row in self.rows:
             if not started:
                 status = "not run yet"
             elif row.compile_error:
                 status = f"EAGER (compile failed: {row.compile_error})"
-            elif not row.tracked:
-                status = "untracked (no parameters or buffers to recognise its calls by)"
+            elif row.observed_calls == 0:
+                status = "NEVER CALLED"
             elif row.compiled_calls == 0:
-                status = "EAGER (no compiled call seen)"
+                status = f"EAGER (no compiled call in {row.observed_calls} observed)"
+            elif row.compiled_calls < row.observed_calls:
+                status = f"compiled in {row.compiled_calls} of {row.observed_calls} observed calls"
             else:
                 status = "compiled"
             lines.append(
@@ -109,9 +111,9 @@ def region_report(model: nn.Module) -> RegionReport:
             paths=region.paths,
             reason=region.reason,
             graphs=stats.graphs,
+            observed_calls=stats.observed_calls,
             compiled_calls=stats.compiled_calls,
             compile_seconds=stats.compile_seconds,
-            tracked=any(True for _ in (*region.module.parameters(), *region.module.buffers())),
             compile_error=stats.compile_error,
         )
         for region, stats in zip(plan.regions, tracker.stats, strict=True)
@@ -132,8 +134,8 @@ def warn_if_not_compiled(report: RegionReport) -> None:
     if missing:
         names = "; ".join(f"{row.class_name} at {', '.join(row.paths)}" for row in missing)
         warnings.warn(
-            f"{len(missing)} region(s) never ran compiled code (eager fallback, a skipped "
-            f"frame, or never called): {names}",
+            f"{len(missing)} region(s) never ran compiled code in their observed calls "
+            f"(eager fallback, a skipped frame, or never called): {names}",
             RegionNotCompiledWarning,
             stacklevel=2,
         )

@@ -28,6 +28,7 @@ from .cache import (
 )
 from .compile import (
     compile_regions,
+    end_observation,
     tracker_of,
     validate_compile_arguments,
     validate_on_compile_error,
@@ -65,6 +66,7 @@ class RegionalCompileMixin:
         on_compile_error: str,
         recompile_warn_threshold: int | None,
         cache_dir: str | bool,
+        trust_unsigned_artifacts: bool = False,
     ) -> None:
         validate_compile_arguments(backend, mode, options)
         validate_on_compile_error(on_compile_error)
@@ -84,6 +86,7 @@ class RegionalCompileMixin:
         self.on_compile_error = on_compile_error
         self.recompile_warn_threshold = recompile_warn_threshold
         self.cache_dir = cache_dir
+        self.trust_unsigned_artifacts = trust_unsigned_artifacts
         self._previous_cache_dir: str | None = None
         self._cache_dir_entered = False
         self._runtime_reported = False
@@ -129,7 +132,9 @@ class RegionalCompileMixin:
         """Load the checkpoint, and its compile-cache artifacts if they fit this run."""
         checkpoint = super().load_checkpoint(*args, **kwargs)  # type: ignore[misc]
         self._enter_cache_dir()  # artifacts are written into the run's cache directory
-        unpack_artifacts(checkpoint.get(CHECKPOINT_KEY), self.artifact_guard())
+        unpack_artifacts(
+            checkpoint.get(CHECKPOINT_KEY), self.artifact_guard(), self.trust_unsigned_artifacts
+        )
         return checkpoint
 
     def model_to_device(self) -> None:
@@ -142,6 +147,8 @@ class RegionalCompileMixin:
             inplace=True,
             regions=self.regions,
             on_compile_error=self.on_compile_error,
+            observe_calls=None,  # until the first optimizer step is reported
+            root_is_called=False,  # Lightning calls training_step, not forward
             **self.compile_kwargs,
         )
         report = region_report(module)
@@ -156,6 +163,7 @@ class RegionalCompileMixin:
         if not self._runtime_reported:
             self._runtime_reported = True
             report = region_report(self.lightning_module)
+            end_observation(self.lightning_module)
             rank_zero_info(runtime_summary(report))
             with warnings.catch_warnings():
                 warnings.simplefilter("always", RegionNotCompiledWarning)
@@ -203,6 +211,8 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             (``None``: never).
         cache_dir: where compile caches go: ``True`` for ``<default_root_dir>/compile_cache``,
             a path, or ``False`` for torch's default. Checkpoints also carry the artifacts.
+        trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
+            with this user's key. They run code when loaded: only for checkpoints you trust.
         accelerator: passed to ``SingleDeviceStrategy``.
         checkpoint_io: passed to ``SingleDeviceStrategy``.
         precision_plugin: passed to ``SingleDeviceStrategy``.
@@ -224,6 +234,7 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         on_compile_error: Literal["raise", "eager"] = "raise",
         recompile_warn_threshold: int | None = 8,
         cache_dir: str | bool = True,
+        trust_unsigned_artifacts: bool = False,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -244,6 +255,7 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             on_compile_error,
             recompile_warn_threshold,
             cache_dir,
+            trust_unsigned_artifacts,
         )
         self._device_from_trainer: torch.device | None = None
 
@@ -290,6 +302,8 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         on_compile_error: ``"raise"`` or ``"eager"``, as for ``RegionalCompileStrategy``.
         recompile_warn_threshold: as for ``RegionalCompileStrategy``.
         cache_dir: as for ``RegionalCompileStrategy``.
+        trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
+            with this user's key. They run code when loaded: only for checkpoints you trust.
         **kwargs: every ``DDPStrategy`` argument (``process_group_backend``,
             ``start_method``, ``find_unused_parameters``...).
     """
@@ -307,6 +321,7 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         on_compile_error: Literal["raise", "eager"] = "raise",
         recompile_warn_threshold: int | None = 8,
         cache_dir: str | bool = True,
+        trust_unsigned_artifacts: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -320,6 +335,7 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
             on_compile_error,
             recompile_warn_threshold,
             cache_dir,
+            trust_unsigned_artifacts,
         )
 
     @classmethod

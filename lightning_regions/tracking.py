@@ -1,33 +1,64 @@
 """Knowing which region compiled what, and which region really ran compiled code.
 
-Every region is compiled with a ``TrackingBackend``: it hands each graph to the real
-backend (inductor, eager, a callable...) and wraps the compiled function so that each
-call is counted against the region whose parameters it received.
+Attribution is by call. While a region is observed, its call slot (an in-place region's
+``_compiled_call_impl``, an out-of-place region's ``forward``) holds an
+``ObservedRegion`` that marks the region as the one running. Every graph the
+``TrackingBackend`` compiles meanwhile belongs to that region, and every call of a
+compiled graph marks the region's call as compiled. Nothing is looked up by tensor
+identity, so FSDP2's unsharded parameters, ``load_state_dict(assign=True)`` and regions
+without parameters are attributed like any other.
+
+Observation is short: the first ``observe_calls`` calls of each region, or until the
+owner (a strategy) ends it. Then each region's slot gets torch's own compiled call
+back, and the backend swaps each graph's counting wrapper out of the global that
+dynamo installed it in, so a region call costs what ``module.compile()`` costs.
 
 One ``TrackingBackend`` exists per distinct real backend in the process. Dynamo keys
 its cache entries on the backend, so a new backend object per ``compile_regions`` call
 would recompile every block class again and, after a few calls, hit
-``torch._dynamo.config.recompile_limit`` and fall back to eager. Sharing the backend
-keeps one graph for identical blocks across calls; the tensor registry below tells
-the calls of different models apart.
+``torch._dynamo.config.recompile_limit`` and fall back to eager.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
+from torch import nn
+from torch._dynamo import exc as dynamo_exc
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from .graph import unwrap
 from .regions import RegionPlan
 from .watch import RecompileWatch
 
 CompiledFn = Callable[..., Any]
 COMPILE_ERROR_POLICIES = ("raise", "eager")
+#: Calls of each region observed by ``compile_regions`` before observation ends.
+OBSERVED_CALLS = 8
+
+#: Exceptions dynamo itself re-raises from a backend call, untouched: its restart of
+#: the analysis with a float specialised, its traceback shortening, IndexError and a
+#: request to skip the frame (``OutputGraph._call_user_compiler``, torch 2.13).
+DYNAMO_RERAISES: tuple[type[BaseException], ...] = (
+    dynamo_exc.TensorifyScalarRestartAnalysis,
+    dynamo_exc.ShortenTraceback,
+    IndexError,
+    dynamo_exc.SkipFrame,
+)
+#: Exceptions dynamo turns into a graph break with a warning, as torch defines them.
+DYNAMO_GRAPH_BREAKS: tuple[type[BaseException], ...] = tuple(
+    dynamo_exc.exceptions_allowed_to_be_fallback
+)
+#: Not a region's compile failure: passed through so torch does what it does without us.
+PASSED_TO_DYNAMO = DYNAMO_RERAISES + DYNAMO_GRAPH_BREAKS
 
 
 class RegionCompileError(RuntimeError):
@@ -40,90 +71,132 @@ class RegionCompileWarning(UserWarning):
 
 @dataclass(eq=False)
 class RegionStats:
-    """What one region did: graphs compiled for it, compiled calls it ran, seconds."""
+    """What one region did: graphs compiled for it, calls observed and compiled, seconds."""
 
     label: str = ""
     on_compile_error: str = "raise"
     graphs: int = 0
+    observed_calls: int = 0
     compiled_calls: int = 0
     compile_seconds: float = 0.0
     compile_error: str | None = None
+    observing: bool = False
 
 
-class TensorOwners:
-    """Which regions (their ``RegionStats``) own which parameters and buffers.
+@dataclass(eq=False)
+class _RunningRegion:
+    stats: RegionStats
+    ran_graph: bool = False
 
-    Held by weak reference, so a region's tensors being freed drops its entries.
+
+#: The observed region calls in progress, innermost last.
+_RUNNING: list[_RunningRegion] = []
+
+
+def _running() -> RegionStats | None:
+    return _RUNNING[-1].stats if _RUNNING else None
+
+
+class GraphHook:
+    """One compiled graph's counting wrapper, and how to take it off the call path.
+
+    Dynamo installs what a backend returns, wrapped by ``torch._dynamo.disable``, as a
+    ``__compiled_fn_*`` global of the frame it compiled. Once located, that global can
+    be switched between the counting wrapper and a plain ``disable`` of the graph.
     """
 
-    def __init__(self) -> None:
-        self._owners: dict[int, list[tuple[weakref.ref[torch.Tensor], RegionStats]]] = {}
+    def __init__(self, compiled: CompiledFn) -> None:
+        self.compiled = compiled
+        self.counting: CompiledFn | None = None
+        self.scope: dict[str, Any] | None = None  # None: not looked for yet; {}: not found
+        self.name = ""
+        self.hooked: Any = None
+        self.plain: Any = None
 
-    def register(self, plan: RegionPlan, on_compile_error: str) -> list[RegionStats]:
-        """Fresh stats for each region of ``plan``, owning the region's tensors."""
-        self._drop_dead()
-        all_stats = []
-        for region in plan.regions:
-            stats = RegionStats(label=region.label, on_compile_error=on_compile_error)
-            tensors = {id(t): t for t in (*region.module.parameters(), *region.module.buffers())}
-            for tensor_id, tensor in tensors.items():
-                self._owners.setdefault(tensor_id, []).append((weakref.ref(tensor), stats))
-            all_stats.append(stats)
-        return all_stats
+    def locate(self, caller: FrameType | None) -> None:
+        """Find the global that holds the counting wrapper, from the wrapper's caller."""
+        self.scope = {}
+        frame = caller.f_back if caller is not None and caller.f_code.co_name == "_fn" else None
+        if frame is None:
+            return
+        for name, value in list(frame.f_globals.items()):
+            if name.startswith("__compiled_fn") and (
+                getattr(value, "_torchdynamo_orig_callable", None) is self.counting
+            ):
+                plain = torch._dynamo.disable(self.compiled, reason="dynamo-compiled graph")
+                plain._lightning_regions_hook = self  # keeps this hook alive while unhooked
+                self.scope, self.name, self.hooked, self.plain = frame.f_globals, name, value, plain
+                return
 
-    def knows(self, tensor: object) -> bool:
-        return bool(self._live(tensor))
+    def remove(self) -> None:
+        if self.scope and self.scope.get(self.name) is self.hooked:
+            self.scope[self.name] = self.plain
 
-    def most_owned(self, tensors: Sequence[object]) -> list[RegionStats]:
-        """The regions owning the most of ``tensors`` (every one of them on a tie)."""
-        hits: dict[RegionStats, int] = {}
-        for tensor in tensors:
-            for stats in self._live(tensor):
-                hits[stats] = hits.get(stats, 0) + 1
-        if not hits:
-            return []
-        best = max(hits.values())
-        return [stats for stats, count in hits.items() if count == best]
-
-    def _live(self, tensor: object) -> list[RegionStats]:
-        entries = self._owners.get(id(tensor), ())
-        return [stats for ref, stats in entries if ref() is tensor]
-
-    def _drop_dead(self) -> None:
-        for tensor_id in list(self._owners):
-            alive = [(ref, s) for ref, s in self._owners[tensor_id] if ref() is not None]
-            if alive:
-                self._owners[tensor_id] = alive
-            else:
-                del self._owners[tensor_id]
-
-
-OWNERS = TensorOwners()
+    def restore(self) -> None:
+        if self.scope and self.scope.get(self.name) is self.plain:
+            self.scope[self.name] = self.hooked
 
 
 class TrackingBackend:
-    """A ``torch.compile`` backend that counts graphs and compiled calls per region."""
+    """A ``torch.compile`` backend that attributes graphs and compiled calls to regions."""
 
     def __init__(self, inner: Callable[..., Any]) -> None:
         self.inner = inner
         self.unattributed_graphs = 0
+        self.observers = 0
+        self.hooks: weakref.WeakSet[GraphHook] = weakref.WeakSet()
         self.__name__ = str(getattr(inner, "compiler_name", "regional"))
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledFn:
-        tensors = [*example_inputs, *gm.parameters(), *gm.buffers()]
-        owners = OWNERS.most_owned(tensors)
+        owner = _running()
         start = time.perf_counter()
         try:
             compiled = self.inner(gm, example_inputs)
+        except PASSED_TO_DYNAMO:
+            raise  # dynamo's own control flow: a restart, a skip or a graph break
         except Exception as error:
-            return _handle_compile_error(error, gm, owners)
-        seconds = time.perf_counter() - start
-        if not owners:
+            return _handle_compile_error(error, gm, owner)
+        if owner is None:
             self.unattributed_graphs += 1
-        for stats in owners:
-            stats.graphs += 1
-            stats.compile_seconds += seconds
-        return _counting(compiled, [i for i, t in enumerate(example_inputs) if OWNERS.knows(t)])
+        else:
+            owner.graphs += 1
+            owner.compile_seconds += time.perf_counter() - start
+        return self._counting(_real_forward(compiled))
+
+    def _counting(self, compiled: CompiledFn) -> CompiledFn:
+        """Wrap ``compiled`` so a call marks the running region's call as compiled."""
+        hook = GraphHook(compiled)
+        backend = self
+
+        # Dynamo calls a backend's result with positional arguments, boxed or not.
+        def run(*args: Any) -> Any:
+            if hook.scope is None:
+                hook.locate(sys._getframe(1))
+            if backend.observers:
+                if _RUNNING:
+                    _RUNNING[-1].ran_graph = True
+            else:
+                hook.remove()  # compiled after observation ended: off the path from now on
+            return compiled(*args)
+
+        hook.counting = run
+        self.hooks.add(hook)
+        return run
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TrackingBackend:
+        return self  # one per real backend in the process (Fabric deep-copies compile kwargs)
+
+    def start_observing(self) -> None:
+        if self.observers == 0:
+            for hook in list(self.hooks):
+                hook.restore()
+        self.observers += 1
+
+    def stop_observing(self) -> None:
+        self.observers -= 1
+        if self.observers == 0:
+            for hook in list(self.hooks):
+                hook.remove()
 
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)
@@ -131,42 +204,86 @@ class TrackingBackend:
             reset()
 
 
+def _real_forward(compiled: CompiledFn) -> CompiledFn:
+    """What dynamo calls for a lazily recompiled ``GraphModule`` it can see (torch 2.13's
+    ``compile_and_call_fx_graph``): its real ``forward``, not ``_lazy_forward``, which
+    checks for a pending recompile on every call. Our wrapper hides it, so do it here."""
+    lazy = compiled if isinstance(compiled, _LazyGraphModule) else None
+    owner = getattr(compiled, "__self__", None)
+    if isinstance(owner, _LazyGraphModule) and getattr(compiled, "__name__", "") == "_lazy_forward":
+        lazy = owner
+    if lazy is None:
+        return compiled
+    _LazyGraphModule.force_recompile(lazy)
+    return compiled if compiled is lazy else lazy.forward
+
+
 def _handle_compile_error(
-    error: Exception, gm: torch.fx.GraphModule, owners: list[RegionStats]
+    error: Exception, gm: torch.fx.GraphModule, owner: RegionStats | None
 ) -> CompiledFn:
     """Raise naming the region, or let that region alone run its graph eagerly."""
-    if not owners:
+    if owner is None:
         raise error
-    names = "; ".join(stats.label for stats in owners)
     cause = f"{type(error).__name__}: {error}"
-    if any(stats.on_compile_error == "raise" for stats in owners):
+    if owner.on_compile_error == "raise":
         raise RegionCompileError(
-            f"Compiling region {names} failed: {cause}. Pass on_compile_error='eager' to run "
-            "this region eager and keep training."
+            f"Compiling region {owner.label} failed: {cause}. Pass on_compile_error='eager' "
+            "to run this region eager and keep training."
         ) from error
-    for stats in owners:
-        stats.compile_error = cause
+    owner.compile_error = cause
     warnings.warn(
-        f"Region {names} failed to compile and runs eager: {cause}",
+        f"Region {owner.label} failed to compile and runs eager: {cause}",
         RegionCompileWarning,
         stacklevel=2,
     )
     return gm.forward
 
 
-def _counting(compiled: CompiledFn, positions: list[int]) -> CompiledFn:
-    """Wrap ``compiled`` so each call counts for the region whose tensors it got."""
+class ObservedRegion:
+    """Stands in a region's call slot while the region is observed.
 
-    def count(args: Sequence[Any]) -> None:
-        for stats in OWNERS.most_owned([args[i] for i in positions if i < len(args)]):
-            stats.compiled_calls += 1
+    ``slot[key]`` held ``call`` (torch's compiled call of the region); ``end()`` puts
+    it back, so nothing of ours stays on the region's call path.
+    """
 
-    # Dynamo calls a backend's result with positional arguments, boxed or not.
-    def run(*args: Any) -> Any:
-        count(args)
-        return compiled(*args)
+    def __init__(
+        self,
+        stats: RegionStats,
+        slot: dict[str, Any],
+        key: str,
+        backend: TrackingBackend,
+        limit: int | None,
+    ) -> None:
+        self.stats = stats
+        self.slot = slot
+        self.key = key
+        self.call: CompiledFn = slot[key]
+        self.limit = limit
+        stats.observing = True
+        backend.start_observing()
+        self._stop = weakref.finalize(self, backend.stop_observing)
+        slot[key] = self
 
-    return run
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        running = _RunningRegion(self.stats)
+        _RUNNING.append(running)
+        try:
+            return self.call(*args, **kwargs)
+        finally:
+            _RUNNING.pop()
+            self.stats.observed_calls += 1
+            self.stats.compiled_calls += running.ran_graph
+            if self.limit is not None and self.stats.observed_calls >= self.limit:
+                self.end()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ObservedRegion:
+        return self  # as torch's compiled call in this slot: a copy shares it
+
+    def end(self) -> None:
+        if self.slot.get(self.key) is self:
+            self.slot[self.key] = self.call
+        self.stats.observing = False
+        self._stop()  # runs once
 
 
 _BACKENDS: list[TrackingBackend] = []
@@ -198,10 +315,37 @@ class RegionTracker:
     stats: list[RegionStats]
     backend: TrackingBackend
     watch: RecompileWatch
+    observe_calls: int | None = OBSERVED_CALLS
+    observers: list[ObservedRegion] = field(default_factory=list)
 
     @classmethod
     def start(
-        cls, plan: RegionPlan, backend: TrackingBackend, on_compile_error: str = "raise"
+        cls,
+        plan: RegionPlan,
+        backend: TrackingBackend,
+        on_compile_error: str = "raise",
+        observe_calls: int | None = OBSERVED_CALLS,
     ) -> RegionTracker:
-        stats = OWNERS.register(plan, on_compile_error)
-        return cls(plan=plan, stats=stats, backend=backend, watch=RecompileWatch(plan))
+        stats = [RegionStats(region.label, on_compile_error) for region in plan.regions]
+        return cls(plan, stats, backend, RecompileWatch(plan), observe_calls)
+
+    def stats_of(self, module: nn.Module) -> RegionStats:
+        target = unwrap(module)
+        for region, stats in zip(self.plan.regions, self.stats, strict=True):
+            if region.module is target:
+                return stats
+        raise KeyError(f"{type(target).__name__} is not a region of this plan")
+
+    def observe(self, module: nn.Module, slot: dict[str, Any], key: str) -> None:
+        """Observe region ``module``, whose compiled call is ``slot[key]``."""
+        stats = self.stats_of(module)
+        self.observers.append(ObservedRegion(stats, slot, key, self.backend, self.observe_calls))
+
+    def end_observation(self) -> None:
+        """Put torch's compiled calls back in every region; counts stop here."""
+        for observer in self.observers:
+            observer.end()
+
+    @property
+    def observing(self) -> bool:
+        return any(stats.observing for stats in self.stats)

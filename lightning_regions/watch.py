@@ -20,6 +20,7 @@ from torch import nn
 
 from .graph import unwrap
 from .regions import RegionPlan
+from .trampolines import existing_trampoline
 
 CodeKey = tuple[str, str, int]
 
@@ -50,12 +51,11 @@ def _key(code: CodeType) -> CodeKey:
 
 def region_codes(module: nn.Module) -> list[CodeType]:
     """The code objects dynamo compiles for a region of this module's class."""
-    from .compile import _CALL_THROUGH  # the per-class trampolines, if one was made
-
     cls = type(unwrap(module))
     codes = [cls.forward.__code__]
-    if cls in _CALL_THROUGH:
-        codes.append(_CALL_THROUGH[cls].__code__)
+    call = existing_trampoline(cls)
+    if call is not None:
+        codes.append(call.__code__)
     return codes
 
 
@@ -121,6 +121,17 @@ class RecompileWatch:
         return stormy
 
 
+#: How dynamo names a backend exception it turned into a graph break in its counters.
+BACKEND_GRAPH_BREAK = "Backend compiler exception"
+
+
 def graph_breaks() -> int:
-    """Graph breaks dynamo counted in this process."""
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
+    """Graph breaks dynamo counted in this process, including the backend exceptions it
+    turned into graph breaks (counted under ``unimplemented``, not ``graph_break``)."""
+    counters = torch._dynamo.utils.counters
+    from_backend = sum(
+        count
+        for reason, count in counters["unimplemented"].items()
+        if reason.startswith(BACKEND_GRAPH_BREAK)
+    )
+    return sum(counters["graph_break"].values()) + from_backend

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -16,9 +17,28 @@ settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def own_config_home(tmp_path_factory):
+    """The artifact signing key of the test session lives in a temporary config home."""
+    previous = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
+    os.environ.pop("LIGHTNING_REGIONS_ARTIFACT_KEY", None)
+    yield
+    if previous is None:
+        os.environ.pop("XDG_CONFIG_HOME", None)
+    else:
+        os.environ["XDG_CONFIG_HOME"] = previous
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Each test starts with empty dynamo caches, so graph counts are its own."""
+    """Each test starts with empty dynamo caches, so graph counts are its own.
+
+    ``gc.collect()`` ends the observation windows of the last test's dropped models
+    (a model and its tracker form a cycle), so that graph wrappers come off the call
+    path as they would in a process that trains one model.
+    """
+    gc.collect()
     torch._dynamo.reset()
     torch.manual_seed(0)
     yield

@@ -94,6 +94,96 @@ class Flat(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+class LoopedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(self.norm(x)))
+
+
+class Looped(nn.Module):
+    """A universal-transformer shape: one block registered once, run ``steps`` times."""
+
+    def __init__(self, steps: int = 4) -> None:
+        super().__init__()
+        self.steps = steps
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.block = LoopedBlock()
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for _ in range(self.steps):
+            x = self.block(x)
+        return self.out(x)
+
+
+class SingleBlockList(nn.Module):
+    """A ModuleList holding one block, indexed in a loop (ALBERT's layer-group shape)."""
+
+    def __init__(self, steps: int = 3) -> None:
+        super().__init__()
+        self.steps = steps
+        self.groups = nn.ModuleList([LoopedBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for step in range(self.steps):
+            x = self.groups[step % len(self.groups)](x)
+        return x.sum(-1)
+
+
+class Sine(nn.Module):
+    """A block with no parameters or buffers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * 0.5 + x
+
+
+class ParameterlessBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.waves = nn.ModuleList([Sine(), Sine()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for wave in self.waves:
+            x = wave(x)
+        return x
+
+
+class ScaledBlock(nn.Module):
+    """The smallest block that makes dynamo restart from inside the backend call.
+
+    Each block has its own float ``scale``. The second block fails the first one's
+    guard on the float, dynamo recompiles with the float dynamic, and AOTAutograd's
+    tensorify pass raises ``TensorifyScalarRestartAnalysis`` to restart with it
+    specialised (Swin's per-block ``drop_path`` probabilities do the same).
+    """
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(x) * torch.full((1,), 1.0 - self.scale)
+
+
+class ScaledStack(nn.Module):
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ScaledBlock(0.1 * i) for i in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def tokens(batch: int = 2, length: int = 5, vocab: int = 11, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=generator)

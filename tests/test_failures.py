@@ -13,6 +13,7 @@ from lightning_regions import compile_regions, region_report
 from lightning_regions.cache import (
     CacheArtifactsIgnoredWarning,
     artifact_guard,
+    sign,
     unpack_artifacts,
 )
 from lightning_regions.tracking import RegionCompileError, RegionCompileWarning
@@ -85,13 +86,15 @@ def test_a_recompile_storm_is_counted_and_named(counting_backend):
 
 def test_mismatched_artifacts_are_ignored_with_one_warning():
     guard = artifact_guard("cpu", {"backend": "inductor", "mode": "default"})
-    payload = {"guard": dict(guard, torch="1.0.0"), "artifacts": b"not loaded"}
+    old = dict(guard, torch="1.0.0")
+    payload = {"guard": old, "artifacts": b"not loaded", "signature": sign(old, b"not loaded")}
     with pytest.warns(CacheArtifactsIgnoredWarning, match="torch: saved '1.0.0'") as record:
         assert unpack_artifacts(payload, guard) is False
     assert len(record) == 1
     other = artifact_guard("cuda", {"backend": "inductor", "mode": "max-autotune"})
+    payload = {"guard": other, "artifacts": b"x", "signature": sign(other, b"x")}
     with pytest.warns(CacheArtifactsIgnoredWarning, match="device_type.*options"):
-        assert unpack_artifacts({"guard": other, "artifacts": b"x"}, guard) is False
+        assert unpack_artifacts(payload, guard) is False
     assert unpack_artifacts(None, guard) is False
 
 

@@ -143,7 +143,7 @@ def test_checkpoint_written_while_compiled_loads_strictly_into_the_plain_module(
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     t = trainer(tmp_path, RegionalCompileStrategy(backend="eager"), callbacks=[checkpoint])
     t.fit(model, data())
-    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    state = torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]
     plain = gpt()
     plain.load_state_dict(state, strict=True)
     for name, param in plain.named_parameters():
@@ -316,7 +316,7 @@ def test_compile_error_policy_eager_trains_on_and_loses_nothing(tmp_path):
         trainer(tmp_path, strategy, callbacks=[checkpoint]).fit(compiled, data())
     trainer(tmp_path, "auto").fit(eager, data())
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
-    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
+    state = torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]
     gpt().load_state_dict(state, strict=True)
 
 
