@@ -1,7 +1,10 @@
-"""The main job: train the tiny GPT with RegionalCompileStrategy and the tie check.
+"""The main job: train the tiny GPT with RegionalCompileStrategy and the tie check, then
+show what it saves, side by side with eager, whole-model torch.compile and accelerate.
 
-Runs ``lightning-regions fit --config configs/regional.yaml`` (inductor, one CPU
-device), then the same config eagerly, and prints a short report.
+The main run is ``lightning-regions fit --config configs/regional.yaml`` (inductor, one
+CPU device, a cold cache), in this process with Lightning's progress bar. The other
+rows train the same model on the same data, each in its own quiet process with a fresh
+inductor cache (``examples/demo_table.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.chdir(ROOT)
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
-from examples.lightning_gpt import GPTModule, StepTimer  # noqa: E402
+from examples.demo_table import format_table, measure, run_in_fresh_process  # noqa: E402
+from examples.lightning_gpt import StepTimer  # noqa: E402
 from lightning_regions import TiedWeightsCheck, region_report  # noqa: E402
 from lightning_regions.cli import main  # noqa: E402
 
@@ -28,26 +30,23 @@ def callback(cli, kind):
     return next(c for c in cli.trainer.callbacks if isinstance(c, kind))
 
 
-def fit(*overrides: str):
-    return main(["fit", "--config", CONFIG, *overrides])
-
-
 def main_job() -> None:
-    # A cold start every time: the strategy keeps its compile cache in runs/demo.
-    for old in ("runs/demo", "runs/demo-eager"):
-        shutil.rmtree(old, ignore_errors=True)
-    regional = fit()
-    eager = fit("--trainer.strategy=auto", "--trainer.default_root_dir=runs/demo-eager")
-
+    shutil.rmtree("runs/demo", ignore_errors=True)  # a cold start every time
+    regional = main(["fit", "--config", CONFIG])
     report = region_report(regional.model)
     check = callback(regional, TiedWeightsCheck)
-    timer, eager_timer = callback(regional, StepTimer), callback(eager, StepTimer)
     checkpoint = Path(regional.trainer.checkpoint_callback.last_model_path)
-    plain = GPTModule(**{k: v for k, v in regional.model.hparams.items() if k[0] != "_"})
-    plain.load_state_dict(torch.load(checkpoint, weights_only=False)["state_dict"], strict=True)
+    ours = measure("lightning_regions", regional.model, callback(regional, StepTimer), checkpoint)
 
-    def perplexity(cli) -> float:
-        return float(cli.trainer.callback_metrics["val_perplexity"])
+    print("\nTraining the same model the other ways, each in a fresh process (quiet)...")
+    data = regional.datamodule
+    size = {k: regional.model.hparams[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
+    size["batch_size"] = data.batch_size
+    steps = regional.trainer.max_steps
+    others = [
+        run_in_fresh_process(name, "inductor", size, steps)
+        for name in ("eager", "torch.compile", "accelerate")
+    ]
 
     print("\n==================== lightning_regions demo ====================")
     print(f"regions compiled: {len(report.rows)} distinct, {report.graphs} graph(s)")
@@ -63,13 +62,8 @@ def main_job() -> None:
         f"compile time: {report.compile_seconds:.1f} s in the backend for {report.graphs} "
         "graph(s): the eval graph (compiled during the sanity check) and the train graph"
     )
-    print(f"{'':12}{'first train step':>22}{'steady step':>14}{'val perplexity':>16}")
-    for name, cli, t in (("regional", regional, timer), ("eager", eager, eager_timer)):
-        print(
-            f"{name:12}{t.first_step_seconds:>20.1f} s{t.steady_step_ms:>11.1f} ms"
-            f"{perplexity(cli):>16.2f}"
-        )
-    print(f"checkpoint: {checkpoint} (loads strictly into the plain GPTModule)")
+    print(f"checkpoint: {checkpoint}\n")
+    print(format_table([others[0], others[1], others[2], ours]))
 
 
 if __name__ == "__main__":
