@@ -10,7 +10,7 @@ from .graph import ModuleGraph, snapshot
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
 from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled
 from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register
-from .tiecheck import TiedWeightsCheck, TiedWeightsError
+from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError
 from .tracking import RegionCompileError, RegionCompileWarning
 from .watch import RecompileStormWarning
 
@@ -29,6 +29,7 @@ __all__ = [
     "RegionReport",
     "RegionalCompileDDPStrategy",
     "RegionalCompileStrategy",
+    "TieCheck",
     "TiedWeightsCheck",
     "TiedWeightsError",
     "compile_regions",

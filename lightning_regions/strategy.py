@@ -45,15 +45,10 @@ from .report import (
 DEFAULT_CACHE_SUBDIR = "compile_cache"
 
 
-class RegionalCompileMixin:
-    """Compiles the LightningModule's regions in place after device placement.
-
-    Mixed into a Lightning strategy before the strategy class, so ``model_to_device``
-    and ``optimizer_step`` wrap the strategy's own.
-    """
-
-    lightning_module: Any
-    model: Any
+class RegionalCompileBase:
+    """What every regional strategy does, Trainer's or Fabric's: validate the arguments,
+    compile a module's regions in place, report after the first optimizer step, and keep
+    compile caches in the run's directory."""
 
     def _init_regional(
         self,
@@ -91,14 +86,17 @@ class RegionalCompileMixin:
         self._cache_dir_entered = False
         self._runtime_reported = False
 
+    def run_root_dir(self) -> str:
+        """Where ``cache_dir=True`` puts ``compile_cache``: the working directory here."""
+        return os.getcwd()
+
     def run_cache_dir(self) -> str | None:
         """The directory compile caches go to, or None for torch's default."""
         if self.cache_dir is False:
             return None
         if isinstance(self.cache_dir, str):
             return self.cache_dir
-        root = self.lightning_module.trainer.default_root_dir
-        return os.path.join(root, DEFAULT_CACHE_SUBDIR)
+        return os.path.join(self.run_root_dir(), DEFAULT_CACHE_SUBDIR)
 
     def _enter_cache_dir(self) -> None:
         directory = self.run_cache_dir()
@@ -115,6 +113,50 @@ class RegionalCompileMixin:
         if self._cache_dir_entered:
             restore_cache_dir(self._previous_cache_dir)
             self._cache_dir_entered = False
+
+    def compile_in_place(self, module: Any, root_is_called: bool) -> None:
+        """Compile ``module``'s regions in place and log the plan."""
+        _refuse_whole_model_compile(module)
+        self._enter_cache_dir()
+        compile_regions(
+            module,
+            inplace=True,
+            regions=self.regions,
+            on_compile_error=self.on_compile_error,
+            observe_calls=None,  # until the first optimizer step is reported
+            root_is_called=root_is_called,
+            **self.compile_kwargs,
+        )
+        rank_zero_info(f"{region_report(module)}")
+        self._runtime_reported = False
+
+    def after_optimizer_step(self, module: Any) -> None:
+        """Watch recompiles; after the first step, report once and end observation."""
+        tracker = tracker_of(module)
+        if tracker is not None and self.recompile_warn_threshold is not None:
+            tracker.watch.warn_storms(self.recompile_warn_threshold)
+        if not self._runtime_reported and tracker is not None:
+            self._runtime_reported = True
+            report = region_report(module)
+            end_observation(module)
+            rank_zero_info(runtime_summary(report))
+            with warnings.catch_warnings():
+                warnings.simplefilter("always", RegionNotCompiledWarning)
+                warn_if_not_compiled(report)
+
+
+class RegionalCompileMixin(RegionalCompileBase):
+    """Compiles the LightningModule's regions in place after device placement.
+
+    Mixed into a Lightning strategy before the strategy class, so ``model_to_device``
+    and ``optimizer_step`` wrap the strategy's own.
+    """
+
+    lightning_module: Any
+    model: Any
+
+    def run_root_dir(self) -> str:
+        return self.lightning_module.trainer.default_root_dir
 
     def artifact_guard(self) -> dict[str, str]:
         device_type = self.root_device.type  # type: ignore[attr-defined]
@@ -139,35 +181,11 @@ class RegionalCompileMixin:
 
     def model_to_device(self) -> None:
         super().model_to_device()  # type: ignore[misc]
-        module = self.lightning_module
-        _refuse_whole_model_compile(module)
-        self._enter_cache_dir()
-        compile_regions(
-            module,
-            inplace=True,
-            regions=self.regions,
-            on_compile_error=self.on_compile_error,
-            observe_calls=None,  # until the first optimizer step is reported
-            root_is_called=False,  # Lightning calls training_step, not forward
-            **self.compile_kwargs,
-        )
-        report = region_report(module)
-        rank_zero_info(f"{report}")
-        self._runtime_reported = False
+        self.compile_in_place(self.lightning_module, root_is_called=False)  # training_step
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
-        tracker = tracker_of(self.lightning_module)
-        if tracker is not None and self.recompile_warn_threshold is not None:
-            tracker.watch.warn_storms(self.recompile_warn_threshold)
-        if not self._runtime_reported:
-            self._runtime_reported = True
-            report = region_report(self.lightning_module)
-            end_observation(self.lightning_module)
-            rank_zero_info(runtime_summary(report))
-            with warnings.catch_warnings():
-                warnings.simplefilter("always", RegionNotCompiledWarning)
-                warn_if_not_compiled(report)
+        self.after_optimizer_step(self.lightning_module)
         return output
 
 

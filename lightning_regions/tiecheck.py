@@ -1,8 +1,13 @@
 """The tie check: aliases and tied parameters must survive setup and the first step.
 
-``TiedWeightsCheck`` snapshots the LightningModule in ``Callback.setup``, before any
-strategy moves, converts or compiles it, and verifies the live module and the
-optimizers after the first optimizer step. It works with any strategy.
+One core, ``TieCheck``: record a module's alias and tie groups, later verify that each
+is still one object, held once by the optimizers, with equal values. Two ways in:
+
+- ``TiedWeightsCheck``, a Trainer callback: records in ``Callback.setup`` (before any
+  strategy moves, converts or compiles the module) and verifies after the first
+  optimizer step. It works with any strategy.
+- ``TieCheck`` itself, for loops without callbacks (Fabric): record before
+  ``fabric.setup``, call ``verify(model, optimizer)`` after the first ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -73,41 +78,39 @@ def check_ties(
     return broken
 
 
-class TiedWeightsCheck(Callback):
-    """Fail loudly when aliases or tied weights did not survive to the first step.
+def _unwrap_fabric(module: torch.nn.Module) -> torch.nn.Module:
+    """The user's module under Fabric's ``_FabricModule`` (and DDP inside it)."""
+    return getattr(module, "_original_module", module)
+
+
+class TieCheck:
+    """Record alias and tie groups now; ``verify`` them later.
 
     Args:
-        on_failure: ``"raise"`` a ``TiedWeightsError`` (default) or ``"warn"``.
+        module: the model, before ``fabric.setup`` (or any wrapping or compiling).
+        on_failure: ``"raise"`` a ``TiedWeightsError`` naming each broken group
+            (default), or ``"warn"``.
     """
 
-    def __init__(self, on_failure: Literal["raise", "warn"] = "raise") -> None:
+    def __init__(
+        self, module: torch.nn.Module, on_failure: Literal["raise", "warn"] = "raise"
+    ) -> None:
         if on_failure not in ("raise", "warn"):
             raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'warn'.")
         self.on_failure = on_failure
-        self.recorded: ModuleGraph | None = None
+        self.recorded: ModuleGraph = snapshot(_unwrap_fabric(module))
         self.broken: list[BrokenGroup] | None = None
-        self._stepped = False
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.recorded = snapshot(pl_module)
-            self.broken = None
-            self._stepped = False
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._stepped = True
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any):
-        if self._stepped and self.broken is None and self.recorded is not None:
-            self.verify(trainer, pl_module)
-
-    def verify(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[BrokenGroup]:
-        """Compare the snapshot with the live module and optimizers; raise or warn."""
-        assert self.recorded is not None, "verify() runs after setup()"
+    def verify(self, module: torch.nn.Module, *optimizers: Any) -> list[BrokenGroup]:
+        """Compare the record with the live module and optimizers; raise or warn."""
         optimizer_params = [
-            p for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]
+            p
+            for opt in optimizers
+            for group in getattr(opt, "optimizer", opt).param_groups
+            for p in group["params"]
         ]
-        self.broken = check_ties(self.recorded, snapshot(pl_module), optimizer_params)
+        live = snapshot(_unwrap_fabric(module))
+        self.broken = check_ties(self.recorded, live, optimizer_params)
         aliases = len(self.recorded.own_alias_groups())
         ties = len(self.recorded.own_tie_groups())
         if not self.broken:
@@ -122,3 +125,43 @@ class TiedWeightsCheck(Callback):
             raise TiedWeightsError(message)
         warnings.warn(message, stacklevel=2)
         return self.broken
+
+
+class TiedWeightsCheck(Callback):
+    """Fail loudly when aliases or tied weights did not survive to the first step.
+
+    Args:
+        on_failure: ``"raise"`` a ``TiedWeightsError`` (default) or ``"warn"``.
+    """
+
+    def __init__(self, on_failure: Literal["raise", "warn"] = "raise") -> None:
+        if on_failure not in ("raise", "warn"):
+            raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'warn'.")
+        self.on_failure = on_failure
+        self.core: TieCheck | None = None
+        self._stepped = False
+
+    @property
+    def recorded(self) -> ModuleGraph | None:
+        return None if self.core is None else self.core.recorded
+
+    @property
+    def broken(self) -> list[BrokenGroup] | None:
+        return None if self.core is None else self.core.broken
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.core = TieCheck(pl_module, self.on_failure)
+            self._stepped = False
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._stepped = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any):
+        if self._stepped and self.broken is None and self.core is not None:
+            self.verify(trainer, pl_module)
+
+    def verify(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[BrokenGroup]:
+        """Compare the snapshot with the live module and optimizers; raise or warn."""
+        assert self.core is not None, "verify() runs after setup()"
+        return self.core.verify(pl_module, *trainer.optimizers)
