@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow lint demo bench clean
+.PHONY: install test test-slow lint demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -31,6 +31,13 @@ bench: install
 	$(PY) benchmarks/compile_time.py
 	$(PY) benchmarks/warm_start.py
 	$(PY) benchmarks/steady_state.py
+
+# On a GPU machine: its own python3 and this source tree, nothing installed. Here the
+# venv's python, which finds no GPU and says so.
+GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo python3)
+
+gpu-check:
+	PYTHONPATH=. $(GPU_PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -7,6 +7,7 @@ ratios are against whole-model ``torch.compile`` at the same depth, from the sam
 
     python benchmarks/compile_time.py                      # depths 2 4 8 16, 3 repeats
     python benchmarks/compile_time.py --depths 4 --repeats 1 --variants whole regional_inplace
+    python benchmarks/compile_time.py --device cuda              # on a GPU (triton kernels)
 
 Writes ``compile_time.json``, ``compile_time.md`` and ``compile_time.png`` to ``--out``.
 """
@@ -37,8 +38,8 @@ VARIANTS = (
 WARMUP_STEPS, TIMED_STEPS = 2, 10
 
 
-def build(variant: str, depth: int, width: int):
-    """The model for ``variant``, ready to be called."""
+def build(variant: str, depth: int, width: int, device: str = "cpu"):
+    """The model for ``variant`` on ``device``, ready to be called."""
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -47,7 +48,7 @@ def build(variant: str, depth: int, width: int):
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, block_size=128, n_layer=depth, n_head=4, n_embd=width)
-    model = TinyGPT(config)
+    model = TinyGPT(config).to(device)
     if variant == "whole":
         return torch.compile(model)
     if variant == "accelerate":
@@ -66,32 +67,45 @@ def build(variant: str, depth: int, width: int):
     return model
 
 
-def run_child(variant: str, depth: int, width: int) -> dict:
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work, so wall-clock times measure it."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict:
     import torch
     import torch.nn.functional as F
 
-    model = build(variant, depth, width)
-    idx = torch.randint(0, 65, (8, 128), generator=torch.Generator().manual_seed(0))
+    model = build(variant, depth, width, device)
+    idx = torch.randint(0, 65, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
     seconds = []
     for _ in range(1 + WARMUP_STEPS + TIMED_STEPS):
+        synchronize(device)
         start = time.perf_counter()
         logits = model(idx)  # through __call__: model.loss() would bypass torch.compile
         F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+        synchronize(device)
         seconds.append(time.perf_counter() - start)
     counters = torch._dynamo.utils.counters
+    gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else 0.0
     return {
         "first_step_s": seconds[0],
         "steady_step_ms": 1000 * statistics.median(seconds[1 + WARMUP_STEPS :]),
         "graphs": counters["stats"]["unique_graphs"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_mb": gpu_mb,
     }
 
 
-def run_isolated(variant: str, depth: int, width: int) -> dict:
+def run_isolated(variant: str, depth: int, width: int, device: str = "cpu") -> dict:
+    """One cold run in its own process; triton's cache lives under the fresh inductor one."""
     with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         command = [sys.executable, __file__, "--child", variant, "--depths", str(depth)]
-        command += ["--width", str(width)]
+        command += ["--width", str(width), "--device", device]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{variant} at depth {depth} failed:\n{done.stderr[-3000:]}")
@@ -162,10 +176,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.depths[0], args.width)))
+        print(json.dumps(run_child(args.child, args.depths[0], args.width, args.device)))
         return
 
     runs: dict[str, dict[str, list[dict]]] = {
@@ -174,24 +189,26 @@ def main() -> None:
     for repeat in range(args.repeats):
         for depth in args.depths:
             for variant in args.variants:  # interleaved, so drift hits every variant alike
-                result = run_isolated(variant, depth, args.width)
+                result = run_isolated(variant, depth, args.width, args.device)
                 runs[str(depth)][variant].append(result)
                 print(f"repeat {repeat + 1} depth {depth:2d} {variant:22s} {result}", flush=True)
     summary = {d: {v: medians(r) for v, r in by_variant.items()} for d, by_variant in runs.items()}
 
     args.out.mkdir(parents=True, exist_ok=True)
     header = (
-        f"Machine: {machine()}. Width {args.width}, batch 8x128 tokens, forward+backward. "
+        f"Machine: {machine()}, device {args.device}. Width {args.width}, batch 8x128 tokens, "
+        "forward+backward. "
         f"Medians of {args.repeats} run(s), each in its own process with a fresh inductor cache."
     )
     markdown = f"{header}\n\n{table(summary, args.variants, args.depths)}\n"
-    (args.out / "compile_time.md").write_text(markdown)
-    (args.out / "compile_time.json").write_text(
+    suffix = "" if args.device == "cpu" else f"_{args.device}"
+    (args.out / f"compile_time{suffix}.md").write_text(markdown)
+    (args.out / f"compile_time{suffix}.json").write_text(
         json.dumps(
             {"machine": machine(), "width": args.width, "runs": runs, "medians": summary}, indent=1
         )
     )
-    plot(summary, args.variants, args.depths, args.out / "compile_time.png")
+    plot(summary, args.variants, args.depths, args.out / f"compile_time{suffix}.png")
     print(markdown)
 
 

@@ -7,7 +7,7 @@ Each start is its own process running ``examples/resume_run.py``:
 - checkpoint artifacts: resume from the same checkpoint into a new, empty cache
   directory, so only the mega-cache artifacts stored in the checkpoint can help.
 
-    python benchmarks/warm_start.py [--repeats 3] [--n-layer 4] [--n-embd 64]
+    python benchmarks/warm_start.py [--repeats 3] [--n-layer 4] [--n-embd 64] [--device cuda]
 
 Writes ``warm_start.json`` and ``warm_start.md`` to ``--out``.
 """
@@ -24,6 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "resume_run.py"
+
+
+def accelerator(device: str) -> str:
+    """Lightning's accelerator name for a torch device type."""
+    return "gpu" if device.startswith("cuda") else "cpu"
 
 
 def start(model_args: list[str], run: Path, cache: Path, steps: int, ckpt: Path | None) -> dict:
@@ -57,16 +62,17 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     model_args = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
-    model_args += ["--block-size", "64"]
+    model_args += ["--block-size", "64", "--accelerator", accelerator(args.device)]
 
     runs = [one_repeat(model_args) for _ in range(args.repeats)]
     kinds = ("cold", "warm_directory", "checkpoint_artifacts")
     first = {k: statistics.median(run[k]["first_step_s"] for run in runs) for k in kinds}
     lines = [
-        f"Tiny GPT ({args.n_layer} blocks, width {args.n_embd}), inductor on CPU, medians of "
-        f"{args.repeats} repeat(s), every start in its own process.",
+        f"Tiny GPT ({args.n_layer} blocks, width {args.n_embd}), inductor on {args.device}, "
+        f"medians of {args.repeats} repeat(s), every start in its own process.",
         "",
         "| start | first step (s) | vs cold | inductor graph cache hits / misses |",
         "|---|---|---|---|",
@@ -82,8 +88,9 @@ def main() -> None:
     lines.append(f"\nCheckpoint size with artifacts: {size:.0f} KB.")
     markdown = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "warm_start.md").write_text(markdown)
-    (args.out / "warm_start.json").write_text(
+    suffix = "" if args.device == "cpu" else f"_{args.device}"
+    (args.out / f"warm_start{suffix}.md").write_text(markdown)
+    (args.out / f"warm_start{suffix}.json").write_text(
         json.dumps({"runs": runs, "medians": first}, indent=1)
     )
     print(markdown)

@@ -121,6 +121,12 @@ class GPTModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+def _synchronize(trainer: pl.Trainer) -> None:
+    """On a GPU, wait for the queued kernels, so that step times include them."""
+    if trainer.strategy.root_device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 class StepTimer(pl.Callback):
     """Wall time of each training step; the first one includes compilation.
 
@@ -137,10 +143,12 @@ class StepTimer(pl.Callback):
     def on_fit_start(self, *args: object) -> None:
         self._fit_start = time.perf_counter()
 
-    def on_train_batch_start(self, *args: object) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        _synchronize(trainer)
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, *args: object) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        _synchronize(trainer)
         now = time.perf_counter()
         self.seconds.append(now - self._start)
         if len(self.seconds) == 1:

@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
+    parser.add_argument("--mode", default=None, help="inductor mode, e.g. reduce-overhead")
+    parser.add_argument("--batches", type=int, default=1, help="distinct batches per epoch")
     args = parser.parse_args()
 
     data = CharDataModule(block_size=args.block_size, batch_size=4)
@@ -45,10 +48,11 @@ def main() -> None:
     )
     timer = StepTimer()
     trainer = pl.Trainer(
-        strategy=RegionalCompileStrategy(cache_dir=args.cache_dir),
-        accelerator="cpu",
+        strategy=RegionalCompileStrategy(cache_dir=args.cache_dir, mode=args.mode),
+        accelerator=args.accelerator,
+        devices=1,
         max_steps=args.steps,
-        limit_train_batches=1,
+        limit_train_batches=args.batches,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
@@ -60,6 +64,7 @@ def main() -> None:
     counters = torch._dynamo.utils.counters
     result = {
         "first_step_s": timer.first_step_seconds,
+        "steady_step_ms": timer.steady_step_ms,
         "losses": model.losses,
         "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
         "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],

@@ -4,15 +4,19 @@ Importing the package registers the ``"regional_compile"`` and
 ``"regional_compile_ddp"`` strategy names with Lightning's ``StrategyRegistry``.
 """
 
-from .cache import CacheArtifactsIgnoredWarning
-from .compile import compile_regions, end_observation
-from .graph import ModuleGraph, snapshot
-from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
-from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled
-from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register
-from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError
-from .tracking import RegionCompileError, RegionCompileWarning
-from .watch import RecompileStormWarning
+from .compat import require_torch_apis
+
+require_torch_apis()  # before anything touches torch's private names
+
+from .cache import CacheArtifactsIgnoredWarning  # noqa: E402
+from .compile import compile_regions, end_observation  # noqa: E402
+from .graph import ModuleGraph, snapshot  # noqa: E402
+from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions  # noqa: E402
+from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled  # noqa: E402
+from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register  # noqa: E402
+from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError  # noqa: E402
+from .tracking import RegionCompileError, RegionCompileWarning  # noqa: E402
+from .watch import RecompileStormWarning  # noqa: E402
 
 register()
 

@@ -159,7 +159,10 @@ class RegionalCompileMixin(RegionalCompileBase):
         return self.lightning_module.trainer.default_root_dir
 
     def artifact_guard(self) -> dict[str, str]:
-        device_type = self.root_device.type  # type: ignore[attr-defined]
+        device = self.root_device  # type: ignore[attr-defined]
+        device_type = device.type
+        if device_type == "cuda":  # kernels are built for one GPU model: name it
+            device_type = f"cuda ({torch.cuda.get_device_name(device)})"
         return artifact_guard(device_type, self.compile_kwargs)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:

@@ -155,12 +155,15 @@ class ScaledModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_the_restart_reproducer_trains_under_the_strategy(tmp_path):
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+)
+def test_the_restart_reproducer_trains_under_the_strategy(tmp_path, backend):
     from test_lightning import trainer
 
     loader = torch.utils.data.DataLoader([(torch.randn(WIDTH),) for _ in range(16)], 4)
     compiled, plain = ScaledModule(), ScaledModule()
-    trainer(tmp_path, RegionalCompileStrategy(backend="aot_eager"), 4).fit(compiled, loader)
+    trainer(tmp_path, RegionalCompileStrategy(backend=backend), 4).fit(compiled, loader)
     trainer(tmp_path, "auto", 4).fit(plain, loader)
     assert compiled.losses == pytest.approx(plain.losses, rel=1e-5)
     assert not region_report(compiled).never_ran_compiled
@@ -217,7 +220,14 @@ def features() -> torch.Tensor:
     return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(0))
 
 
+def tiny_gpt() -> nn.Module:
+    from examples.tiny_gpt import GPTConfig, TinyGPT
+
+    return TinyGPT(GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_embd=16, unique_blocks=2))
+
+
 SUITE_MODELS = {
+    "gpt": (tiny_gpt, lambda m: m(tokens())),
     "shared": (SharedModel, lambda m: m(tokens())),
     "stack": (Stack, lambda m: m(features().requires_grad_())),
     "flat": (Flat, lambda m: m(features())),

@@ -33,6 +33,19 @@ def regional(**kwargs) -> regional_fabric.RegionalCompileStrategy:
 def test_the_names_are_registered_with_fabric():
     assert "regional_compile" in STRATEGY_REGISTRY and "regional_compile_ddp" in STRATEGY_REGISTRY
     assert isinstance(fabric("regional_compile").strategy, regional_fabric.RegionalCompileStrategy)
+    ddp = Fabric(accelerator="cpu", devices=2, strategy="regional_compile_ddp")
+    assert isinstance(ddp.strategy, regional_fabric.RegionalCompileDDPStrategy)
+    assert ddp.strategy.num_processes == 2
+
+
+def test_the_summary_is_logged_after_the_first_optimizer_step(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    train(fabric(regional()), steps=2)
+    assert "regional compile: 2 region(s)" in caplog.text
+    assert "regional compile after first step: 1 graph(s) compiled" in caplog.text
+    assert "0 region(s) without a compiled call" in caplog.text
 
 
 @pytest.mark.parametrize("move_to_device", [True, False])

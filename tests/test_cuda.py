@@ -1,0 +1,93 @@
+"""The checks that need a CUDA GPU (``-m cuda``): collected everywhere, skipped without one.
+
+On a lent GPU machine: ``PYTHONPATH=. python3 -m pytest -m cuda tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from examples.tiny_gpt import GPTConfig, TinyGPT
+from lightning_regions import (
+    RegionalCompileStrategy,
+    TiedWeightsCheck,
+    compile_regions,
+    region_report,
+)
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+SCRIPT = Path(__file__).parent.parent / "examples" / "resume_run.py"
+
+
+def test_inductor_regions_on_cuda_match_eager_outputs_and_gradients():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layer=3, n_embd=64, n_head=2)).cuda()
+    eager = copy.deepcopy(model)
+    compile_regions(model, inplace=True, backend="inductor")
+    idx = torch.randint(0, 65, (4, 64), device="cuda")
+    out, expected = model(idx), eager(idx)
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+    out.float().pow(2).mean().backward()
+    expected.float().pow(2).mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-4, msg=name)
+    assert not region_report(model).never_ran_compiled
+
+
+def fit_on_gpu(tmp_path, strategy, **kwargs):
+    from test_lightning import data, gpt
+
+    model, check = gpt(), TiedWeightsCheck()
+    pl.Trainer(
+        strategy=strategy,
+        accelerator="gpu",
+        devices=1,
+        max_steps=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+        callbacks=[check],
+        **kwargs,
+    ).fit(model, data())
+    return model, check
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_the_strategy_trains_on_a_gpu_with_the_tie_check(tmp_path, mode):
+    model, check = fit_on_gpu(tmp_path, RegionalCompileStrategy(mode=mode))
+    plain, _ = fit_on_gpu(tmp_path, "auto")
+    assert model.losses == pytest.approx(plain.losses, rel=1e-3)
+    assert check.broken == []
+    assert model.model.lm_head.weight is model.model.wte.weight
+    assert not region_report(model).never_ran_compiled
+    assert next(model.parameters()).device.type == "cuda"
+
+
+def resume_run(tmp_path: Path, run: str, cache: str, steps: int, ckpt: Path | None) -> dict:
+    command = [sys.executable, str(SCRIPT), "--run-dir", str(tmp_path / run), "--accelerator"]
+    command += ["gpu", "--cache-dir", str(tmp_path / cache), "--steps", str(steps)]
+    command += ["--ckpt", str(ckpt)] if ckpt else []
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_warm_start_on_a_gpu_from_checkpoint_artifacts(tmp_path):
+    cold = resume_run(tmp_path, "a", "cache", 2, None)
+    warm = resume_run(tmp_path, "b", "empty", 3, tmp_path / "a" / "last.ckpt")
+    assert cold["fxgraph_miss"] > 0 and cold["fxgraph_hit"] == 0
+    assert warm["fxgraph_hit"] > 0 and warm["fxgraph_miss"] == 0
