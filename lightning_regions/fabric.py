@@ -27,9 +27,46 @@ from .strategy import RegionalCompileBase
 
 class RegionalCompileFabricMixin(RegionalCompileBase):
     """Compiles the module's regions in place in ``setup_module``; reports after the
-    first optimizer step. Mixed in before a Fabric strategy class."""
+    first optimizer step. Mixed in before a Fabric strategy class, whose own arguments
+    pass through ``**kwargs``.
 
+    Args:
+        backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
+            recompile_warn_threshold, cache_dir: as for the Trainer's
+            ``lightning_regions.RegionalCompileStrategy``; ``cache_dir=True`` is
+            ``./compile_cache``.
+        **kwargs: the Fabric strategy's own arguments.
+    """
+
+    strategy_name: str
+    description: str
     _module: nn.Module | None = None
+
+    def __init__(
+        self,
+        backend: str | Callable[..., Any] = "inductor",
+        mode: str | None = None,
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        options: dict[str, Any] | None = None,
+        regions: str | list[str] | None = None,
+        on_compile_error: Literal["raise", "eager"] = "raise",
+        recompile_warn_threshold: int | None = 8,
+        cache_dir: str | bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._init_regional(
+            backend,
+            mode,
+            fullgraph,
+            dynamic,
+            options,
+            regions,
+            on_compile_error,
+            recompile_warn_threshold,
+            cache_dir,
+        )
 
     def setup_module(self, module: nn.Module) -> Any:
         self.compile_in_place(module, root_is_called=True)  # the loop calls the module
@@ -42,98 +79,33 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
             self.after_optimizer_step(self._module)
         return output
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description=cls.description, override=True
+        )
+
 
 class RegionalCompileStrategy(RegionalCompileFabricMixin, FabricSingleDeviceStrategy):
     """Fabric on one device with the module's repeated blocks compiled in place.
 
-    Takes the regional arguments of ``lightning_regions.RegionalCompileStrategy``
-    (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``, ``regions``,
-    ``on_compile_error``, ``recompile_warn_threshold``, ``cache_dir``; ``cache_dir=True``
-    is ``./compile_cache``) and ``SingleDeviceStrategy``'s ``device``, ``accelerator``,
-    ``checkpoint_io`` and ``precision``.
+    Takes the regional arguments (see ``RegionalCompileFabricMixin``) and
+    ``SingleDeviceStrategy``'s ``device``, ``accelerator``, ``checkpoint_io``, ``precision``.
     """
 
     strategy_name = "regional_compile"
-
-    def __init__(
-        self,
-        backend: str | Callable[..., Any] = "inductor",
-        mode: str | None = None,
-        fullgraph: bool = False,
-        dynamic: bool | None = None,
-        options: dict[str, Any] | None = None,
-        regions: str | list[str] | None = None,
-        on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | None = 8,
-        cache_dir: str | bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._init_regional(
-            backend,
-            mode,
-            fullgraph,
-            dynamic,
-            options,
-            regions,
-            on_compile_error,
-            recompile_warn_threshold,
-            cache_dir,
-        )
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Fabric, single device, repeated blocks compiled in place",
-            override=True,
-        )
+    description = "Fabric, single device, repeated blocks compiled in place"
 
 
 class RegionalCompileDDPStrategy(RegionalCompileFabricMixin, FabricDDPStrategy):
     """Fabric DDP with each process's repeated blocks compiled in place before DDP wraps.
 
-    Takes the regional arguments of ``RegionalCompileStrategy`` and every argument of
-    Fabric's ``DDPStrategy`` (``process_group_backend``, ``start_method``...).
+    Takes the regional arguments (see ``RegionalCompileFabricMixin``) and every argument
+    of Fabric's ``DDPStrategy`` (``process_group_backend``, ``start_method``...).
     """
 
     strategy_name = "regional_compile_ddp"
-
-    def __init__(
-        self,
-        backend: str | Callable[..., Any] = "inductor",
-        mode: str | None = None,
-        fullgraph: bool = False,
-        dynamic: bool | None = None,
-        options: dict[str, Any] | None = None,
-        regions: str | list[str] | None = None,
-        on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | None = 8,
-        cache_dir: str | bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._init_regional(
-            backend,
-            mode,
-            fullgraph,
-            dynamic,
-            options,
-            regions,
-            on_compile_error,
-            recompile_warn_threshold,
-            cache_dir,
-        )
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Fabric DDP, repeated blocks compiled in place in each process",
-            override=True,
-        )
+    description = "Fabric DDP, repeated blocks compiled in place in each process"
 
 
 def register() -> None:
