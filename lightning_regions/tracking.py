@@ -80,7 +80,6 @@ class RegionStats:
     compiled_calls: int = 0
     compile_seconds: float = 0.0
     compile_error: str | None = None
-    observing: bool = False
 
 
 @dataclass(eq=False)
@@ -259,7 +258,6 @@ class ObservedRegion:
         self.key = key
         self.call: CompiledFn = slot[key]
         self.limit = limit
-        stats.observing = True
         backend.start_observing()
         self._stop = weakref.finalize(self, backend.stop_observing)
         slot[key] = self
@@ -282,7 +280,6 @@ class ObservedRegion:
     def end(self) -> None:
         if self.slot.get(self.key) is self:
             self.slot[self.key] = self.call
-        self.stats.observing = False
         self._stop()  # runs once
 
 
@@ -318,6 +315,12 @@ class RegionTracker:
     observe_calls: int | None = OBSERVED_CALLS
     observers: list[ObservedRegion] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        regions = self.plan.regions
+        self._stats_by_module = {
+            id(region.module): stats for region, stats in zip(regions, self.stats, strict=True)
+        }
+
     @classmethod
     def start(
         cls,
@@ -329,23 +332,12 @@ class RegionTracker:
         stats = [RegionStats(region.label, on_compile_error) for region in plan.regions]
         return cls(plan, stats, backend, RecompileWatch(plan), observe_calls)
 
-    def stats_of(self, module: nn.Module) -> RegionStats:
-        target = unwrap(module)
-        for region, stats in zip(self.plan.regions, self.stats, strict=True):
-            if region.module is target:
-                return stats
-        raise KeyError(f"{type(target).__name__} is not a region of this plan")
-
     def observe(self, module: nn.Module, slot: dict[str, Any], key: str) -> None:
         """Observe region ``module``, whose compiled call is ``slot[key]``."""
-        stats = self.stats_of(module)
+        stats = self._stats_by_module[id(unwrap(module))]
         self.observers.append(ObservedRegion(stats, slot, key, self.backend, self.observe_calls))
 
     def end_observation(self) -> None:
         """Put torch's compiled calls back in every region; counts stop here."""
         for observer in self.observers:
             observer.end()
-
-    @property
-    def observing(self) -> bool:
-        return any(stats.observing for stats in self.stats)
