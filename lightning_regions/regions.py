@@ -96,7 +96,6 @@ def find_regions(
     else:
         candidates = _from_hints(graph) or [
             *_repeated_blocks(graph),
-            *_single_block_lists(graph),
             *_called_in_loops(graph),
         ]
     if not candidates:
@@ -225,11 +224,20 @@ def _from_hints(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
 
 
 def _repeated_blocks(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
+    """Blocks found through their container: two or more of one class in a ``ModuleList``
+    or ``Sequential`` (repeats in space), or a ``ModuleList``'s only block, which is run in
+    a loop (repeats in time; accelerate's rule)."""
     candidates: dict[int, tuple[nn.Module, str]] = {}
     for path, container in graph.modules.items():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         entries = _entries(container)
+        if isinstance(container, nn.ModuleList) and len(entries) == 1:
+            if _is_user_block(entries[0]):
+                name = type(unwrap(entries[0])).__name__
+                why = f"one {name} in ModuleList '{path}', run repeatedly"
+                candidates.setdefault(id(entries[0]), (entries[0], why))
+            continue
         classes = {type(unwrap(child)) for child in entries}
         if len(entries) < 2 or len(classes) != 1 or issubclass(next(iter(classes)), LIST_TYPES):
             continue  # a list of lists is walked level by level instead
@@ -248,18 +256,6 @@ def _is_user_block(module: nn.Module) -> bool:
 
 def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
-
-
-def _single_block_lists(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
-    """A ``ModuleList`` holding one block: a block run in a loop (accelerate's rule)."""
-    found = []
-    for path, container in graph.modules.items():
-        if isinstance(container, nn.ModuleList):
-            entries = _entries(container)
-            if len(entries) == 1 and _is_user_block(entries[0]):
-                name = type(unwrap(entries[0])).__name__
-                found.append((entries[0], f"one {name} in ModuleList '{path}', run repeatedly"))
-    return found
 
 
 def _called_in_loops(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
