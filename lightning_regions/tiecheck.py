@@ -78,6 +78,11 @@ def check_ties(
     return broken
 
 
+def _validate_on_failure(on_failure: str) -> None:
+    if on_failure not in ("raise", "warn"):
+        raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'warn'.")
+
+
 def _unwrap_fabric(module: torch.nn.Module) -> torch.nn.Module:
     """The user's module under Fabric's ``_FabricModule`` (and DDP inside it)."""
     return getattr(module, "_original_module", module)
@@ -95,8 +100,7 @@ class TieCheck:
     def __init__(
         self, module: torch.nn.Module, on_failure: Literal["raise", "warn"] = "raise"
     ) -> None:
-        if on_failure not in ("raise", "warn"):
-            raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'warn'.")
+        _validate_on_failure(on_failure)
         self.on_failure = on_failure
         self.recorded: ModuleGraph = snapshot(_unwrap_fabric(module))
         self.broken: list[BrokenGroup] | None = None
@@ -135,8 +139,7 @@ class TiedWeightsCheck(Callback):
     """
 
     def __init__(self, on_failure: Literal["raise", "warn"] = "raise") -> None:
-        if on_failure not in ("raise", "warn"):
-            raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'warn'.")
+        _validate_on_failure(on_failure)
         self.on_failure = on_failure
         self.core: TieCheck | None = None
         self._stepped = False
