@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager
 
 CHECKPOINT_KEY = "lightning_regions_compile_cache"
 #: The environment variable that holds the signing secret itself (clusters).
@@ -85,13 +86,9 @@ def sign(guard: dict[str, str], artifacts: bytes, key: bytes | None = None) -> s
 def check_artifact_shapes(artifacts: bytes) -> Any:
     """Parse ``artifacts`` as torch does, without unpickling any content, and refuse
     unregistered types and keys that are not a plain file name. Returns torch's parse."""
-    from torch.compiler._cache import CacheArtifactManager
-
     parsed = CacheArtifactManager.deserialize(artifacts)
     if parsed is None:
         raise CacheArtifactsRefusedError("Compile-cache artifacts are not in torch's format.")
-    from torch.compiler._cache import CacheArtifactFactory
-
     registered = set(CacheArtifactFactory._artifact_types)
     for artifact_type, entries in parsed.items():
         if artifact_type not in registered:
@@ -193,7 +190,5 @@ def unpack_artifacts(
             stacklevel=2,
         )
         return False
-    from torch.compiler._cache import CacheArtifactManager
-
     CacheArtifactManager.populate_caches(check_artifact_shapes(artifacts))
     return True
