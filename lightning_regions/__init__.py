@@ -1,8 +1,10 @@
 """Shared-aware regional ``torch.compile`` for PyTorch and PyTorch Lightning.
 
-Importing the package registers the ``"regional_compile"`` and
-``"regional_compile_ddp"`` strategy names with Lightning's ``StrategyRegistry``.
+Importing the package registers the ``"regional_compile"``, ``"regional_compile_ddp"``
+and ``"regional_compile_fsdp"`` strategy names with Lightning's ``StrategyRegistry``.
 """
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from .compat import require_torch_apis
 
@@ -10,6 +12,7 @@ require_torch_apis()  # before anything touches torch's private names
 
 from .cache import CacheArtifactsIgnoredWarning  # noqa: E402
 from .compile import compile_regions, end_observation  # noqa: E402
+from .fsdp import RegionalCompileFSDPStrategy  # noqa: E402
 from .graph import ModuleGraph, snapshot  # noqa: E402
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions  # noqa: E402
 from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled  # noqa: E402
@@ -19,6 +22,7 @@ from .tracking import RegionCompileError, RegionCompileWarning  # noqa: E402
 from .watch import RecompileStormWarning  # noqa: E402
 
 register()
+RegionalCompileFSDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "CacheArtifactsIgnoredWarning",
@@ -32,6 +36,7 @@ __all__ = [
     "RegionPlan",
     "RegionReport",
     "RegionalCompileDDPStrategy",
+    "RegionalCompileFSDPStrategy",
     "RegionalCompileStrategy",
     "TieCheck",
     "TiedWeightsCheck",

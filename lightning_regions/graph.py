@@ -14,6 +14,7 @@ from functools import cached_property
 
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.distributed.fsdp import FSDPModule
 
 #: Path segments added by wrappers, not by the model: ``torch.compile`` registers the
 #: original module as ``_orig_mod`` inside an ``OptimizedModule``.
@@ -30,6 +31,15 @@ def unwrap(module: nn.Module) -> nn.Module:
     while isinstance(module, OptimizedModule):
         module = module._orig_mod
     return module
+
+
+def model_class(module: nn.Module) -> type:
+    """The model's own class of ``module``: under ``torch.compile`` wrappers, and not
+    the ``FSDP<Class>`` subclass that FSDP2's ``fully_shard`` swaps in."""
+    cls = type(unwrap(module))
+    if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:
+        return cls.__bases__[-1]
+    return cls
 
 
 def join(prefix: str, name: str) -> str:

@@ -36,7 +36,7 @@ from types import CodeType
 
 from torch import nn
 
-from .graph import ModuleGraph, snapshot, unwrap
+from .graph import ModuleGraph, model_class, snapshot, unwrap
 
 CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 #: Containers with no ``forward``: never a region, they stand for their entries.
@@ -60,7 +60,7 @@ class Region:
 
     @property
     def class_name(self) -> str:
-        return type(unwrap(self.module)).__name__
+        return model_class(self.module).__name__
 
     @property
     def label(self) -> str:
@@ -112,7 +112,7 @@ def find_regions(
 
 def _fallback_plan(module: nn.Module, graph: ModuleGraph, root_is_called: bool) -> RegionPlan:
     root = unwrap(module)
-    name = type(root).__name__
+    name = model_class(root).__name__
     searched = (
         "no ModuleList/Sequential of two or more modules of one class, no ModuleList of "
         "one block, no block called in a loop, and no _repeated_blocks or _no_split_modules hint"
@@ -178,7 +178,7 @@ def _select(graph: ModuleGraph, selectors: list[str]) -> list[tuple[nn.Module, s
     for selector in selectors:
         matched = False
         for module in graph.distinct_modules():
-            cls = type(module)
+            cls = model_class(module)
             paths = graph.paths_of(module)
             if selector in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"):
                 why = f"class name matches {selector!r}"
@@ -204,14 +204,14 @@ def _from_hints(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
     hinted: dict[str, str] = {}
     for module in graph.distinct_modules():
         for attribute in HINT_ATTRIBUTES:
-            for class_name in getattr(type(module), attribute, None) or ():
-                hinted.setdefault(class_name, f"{type(module).__name__}.{attribute}")
+            for class_name in getattr(model_class(module), attribute, None) or ():
+                hinted.setdefault(class_name, f"{model_class(module).__name__}.{attribute}")
     if not hinted:
         return []
     found = [
-        (block, f"named by {hinted[type(m).__name__]}")
+        (block, f"named by {hinted[model_class(m).__name__]}")
         for m in graph.distinct_modules()
-        if type(m).__name__ in hinted
+        if model_class(m).__name__ in hinted
         for block in _expand_containers(m)
     ]
     if not found:
@@ -234,11 +234,11 @@ def _repeated_blocks(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
         entries = _entries(container)
         if isinstance(container, nn.ModuleList) and len(entries) == 1:
             if _is_user_block(entries[0]):
-                name = type(unwrap(entries[0])).__name__
+                name = model_class(entries[0]).__name__
                 why = f"one {name} in ModuleList '{path}', run repeatedly"
                 candidates.setdefault(id(entries[0]), (entries[0], why))
             continue
-        classes = {type(unwrap(child)) for child in entries}
+        classes = {model_class(child) for child in entries}
         if len(entries) < 2 or len(classes) != 1 or issubclass(next(iter(classes)), LIST_TYPES):
             continue  # a list of lists is walked level by level instead
         why = f"repeated {classes.pop().__name__} in '{path}' ({len(entries)} entries)"
@@ -249,7 +249,7 @@ def _repeated_blocks(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
 
 def _is_user_block(module: nn.Module) -> bool:
     """A module with parameters whose code is not torch's own (a ``Sequential`` counts)."""
-    cls = type(unwrap(module))
+    cls = model_class(module)
     own_code = not cls.__module__.startswith("torch.") or isinstance(module, nn.Sequential)
     return own_code and not isinstance(module, LIST_TYPES) and _has_parameters(module)
 
@@ -269,8 +269,8 @@ def _called_in_loops(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
         for name in sorted(_attributes_loaded_in_loops(code)):
             child = parent._modules.get(name)
             if child is not None and _is_user_block(child):
-                where = f"{type(parent).__name__}.forward"
-                found.append((child, f"{type(child).__name__} called in a loop in {where}"))
+                where = f"{model_class(parent).__name__}.forward"
+                found.append((child, f"{model_class(child).__name__} called in a loop in {where}"))
     return found
 
 
@@ -316,7 +316,7 @@ def _drop_nested(candidates: list[tuple[nn.Module, str]]) -> list[tuple[nn.Modul
 
 
 def _block_classes(graph: ModuleGraph) -> list[str]:
-    return sorted({type(m).__name__ for m in graph.distinct_modules()})
+    return sorted({model_class(m).__name__ for m in graph.distinct_modules()})
 
 
 def _container_paths(graph: ModuleGraph) -> list[str]:

@@ -1,0 +1,185 @@
+"""Lightning glue for FSDP2: ``RegionalCompileFSDPStrategy`` on ``ModelParallelStrategy``.
+
+Two ways to run, chosen by the LightningModule:
+
+- **The user shards.** ``configure_model()`` is overridden: Lightning runs it as
+  always (``fully_shard``, tensor parallelism, activation checkpointing...), and the
+  regions are compiled in place in ``model_to_device``, as under the other strategies.
+- **The strategy shards.** No ``configure_model()``: in ``model_to_device`` the strategy
+  shards by the region plan (``sharding.shard_by_plan``: each region once, then the
+  top-level children), then compiles the regions. The mesh is one data-parallel
+  dimension over every process.
+
+``ModelParallelStrategy.setup`` raises ``TypeError`` for a module without
+``configure_model()`` before any hook runs. In the second case the strategy stands in
+for that hook while ``setup`` runs (an instance attribute, removed afterwards), rather
+than copying ``setup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.constants import default_pg_timeout
+
+from .compile import tracker_of
+from .regions import find_regions
+from .sharding import mixed_precision_policy, shard_by_plan
+from .strategy import RegionalCompileMixin
+
+
+class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
+    """FSDP2 (Lightning's ``ModelParallelStrategy``) with the regions compiled in place.
+
+    Args:
+        backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
+            recompile_warn_threshold, cache_dir, trust_unsigned_artifacts: as for
+            ``RegionalCompileStrategy``. Each process keeps its own compile caches.
+        reshard_after_forward: when the strategy shards, free each group's gathered
+            parameters after its forward (``fully_shard``'s own argument; ``False``
+            keeps them until backward: more memory, one all-gather less).
+        data_parallel_size: as for ``ModelParallelStrategy``. When the strategy shards,
+            ``"auto"`` is every process.
+        tensor_parallel_size: as for ``ModelParallelStrategy``. When the strategy
+            shards it applies no tensor parallelism, so ``"auto"`` is 1 and more raises.
+        save_distributed_checkpoint: as for ``ModelParallelStrategy``.
+        process_group_backend: as for ``ModelParallelStrategy`` (``"gloo"`` on CPU).
+        timeout: as for ``ModelParallelStrategy``.
+
+    When the strategy shards, ``precision=`` sets FSDP2's ``MixedPrecisionPolicy``:
+    ``"bf16-mixed"`` gathers parameters in bfloat16 and reduces gradients in float32;
+    ``"32-true"``, ``"bf16-true"`` and ``"16-true"`` keep the parameters' own dtype.
+    """
+
+    strategy_name = "regional_compile_fsdp"
+    #: Shard first, then compile (see README, "FSDP2"): measured on the first step.
+    compile_before_shard = False
+
+    def __init__(
+        self,
+        backend: str | Callable[..., Any] = "inductor",
+        mode: str | None = None,
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        options: dict[str, Any] | None = None,
+        regions: str | list[str] | None = None,
+        on_compile_error: Literal["raise", "eager"] = "raise",
+        recompile_warn_threshold: int | None = 8,
+        cache_dir: str | bool = True,
+        trust_unsigned_artifacts: bool = False,
+        reshard_after_forward: bool = True,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._init_regional(
+            backend,
+            mode,
+            fullgraph,
+            dynamic,
+            options,
+            regions,
+            on_compile_error,
+            recompile_warn_threshold,
+            cache_dir,
+            trust_unsigned_artifacts,
+        )
+        self.reshard_after_forward = reshard_after_forward
+        #: Set in ``setup_environment``: True when the LightningModule has no
+        #: ``configure_model()`` and the strategy shards by the region plan.
+        self.shards_by_plan = False
+        #: The FSDP groups the strategy made, each named by its module paths.
+        self.sharded_groups: list[str] = []
+
+    def setup_environment(self) -> None:
+        self.shards_by_plan = not is_overridden("configure_model", self.lightning_module)
+        if self.shards_by_plan:
+            self._data_parallel_size, self._tensor_parallel_size = self._plan_mesh_sizes()
+        super().setup_environment()
+
+    def _plan_mesh_sizes(self) -> tuple[int, int]:
+        """One data-parallel dimension over every process: we apply no tensor parallelism."""
+        tensor = self._tensor_parallel_size
+        if tensor not in ("auto", 1):
+            raise ValueError(
+                f"tensor_parallel_size={tensor}: when the strategy shards (the "
+                f"{type(self.lightning_module).__name__} has no configure_model()), it "
+                "applies FSDP2 only. Use tensor_parallel_size=1, or apply tensor "
+                "parallelism yourself in configure_model()."
+            )
+        world = self.num_nodes * self.num_processes
+        data = world if self._data_parallel_size == "auto" else self._data_parallel_size
+        return data, 1
+
+    def setup(self, trainer: Any) -> None:
+        if not self.shards_by_plan:
+            super().setup(trainer)
+            return
+        with _configure_model_supplied(self.lightning_module):
+            super().setup(trainer)
+
+    def model_to_device(self) -> None:
+        if not self.shards_by_plan:
+            super().model_to_device()  # the user sharded; compile after device placement
+            return
+        ModelParallelStrategy.model_to_device(self)
+        module = self.lightning_module
+        if self.compile_before_shard:
+            self.compile_in_place(module, root_is_called=False)
+            self._shard(tracker_of(module).plan)  # type: ignore[union-attr]
+        else:
+            self._shard(find_regions(module, self.regions, root_is_called=False))
+            self.compile_in_place(module, root_is_called=False)
+
+    def _shard(self, plan: Any) -> None:
+        policy = mixed_precision_policy(self.precision_plugin.precision)
+        self.sharded_groups += shard_by_plan(
+            self.lightning_module,
+            plan,
+            self.device_mesh["data_parallel"],
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=policy,
+        )
+        rank_zero_info(
+            f"FSDP2: {len(self.sharded_groups)} group(s) sharded by the region plan: "
+            + "; ".join(self.sharded_groups)
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="FSDP2, sharded by the region plan, regions compiled in place",
+            override=True,
+        )
+
+
+@contextmanager
+def _configure_model_supplied(module: Any) -> Iterator[None]:
+    """While ``ModelParallelStrategy.setup`` checks for ``configure_model()``, the module
+    shows one that does nothing: the strategy's sharding takes its place."""
+    module.configure_model = _sharded_by_strategy
+    try:
+        yield
+    finally:
+        del module.configure_model
+
+
+def _sharded_by_strategy() -> None:
+    """RegionalCompileFSDPStrategy shards this module by its region plan."""

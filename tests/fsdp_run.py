@@ -1,0 +1,304 @@
+"""Real FSDP2 over gloo on CPU: scenarios run in one pair of processes under torchrun.
+
+Usage: python -m torch.distributed.run --standalone --nproc_per_node=2 \
+           tests/fsdp_run.py OUT_DIR SCENARIO [SCENARIO ...]
+       python tests/fsdp_run.py OUT_DIR devices1          (one process, no torchrun)
+
+Each scenario writes what it saw to OUT_DIR/<scenario>_rank<r>.pt; the tests compare.
+Several scenarios share one process pair, so the interpreter and process group start
+once; dynamo is reset between them, so nothing compiled is shared.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.lightning_gpt import CharDataModule, GPTModule
+from lightning_regions import (
+    RegionalCompileFSDPStrategy,
+    TiedWeightsCheck,
+    region_report,
+)
+
+SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": None}
+STEPS = 4
+GRAPHS: list[torch.fx.GraphModule] = []
+
+
+def counting_aot_eager(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """aot_eager that counts the graphs it is given."""
+    GRAPHS.append(gm)
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+class UserShardedGPT(GPTModule):
+    """The tiny GPT sharded as the Lightning docs show: each block, then the model."""
+
+    fsdp_options: dict[str, Any] = {}
+
+    def configure_model(self) -> None:
+        if isinstance(self.model, FSDPModule):
+            return  # a second setup (validate after fit) shards nothing again
+        options = {"mesh": self.device_mesh["data_parallel"], **self.fsdp_options}
+        for block in dict.fromkeys(self.model.blocks):  # a shared block once
+            fully_shard(block, **options)
+        fully_shard(self.model, **options)
+
+
+class UserShardedBF16GPT(UserShardedGPT):
+    fsdp_options = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "reshard_after_forward": False,
+    }
+
+
+class UntiedBeforeShardingGPT(UserShardedGPT):
+    """Breaks the embedding/head tie in configure_model, before sharding."""
+
+    def configure_model(self) -> None:
+        head = self.model.lm_head
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        super().configure_model()
+
+
+class FSDP1GPT(GPTModule):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        self.model = FullyShardedDataParallel(self.model, device_id=torch.device("cpu"))
+
+
+def data() -> CharDataModule:
+    return CharDataModule(block_size=16, batch_size=4)
+
+
+def make(cls: type[GPTModule] = GPTModule, **overrides: Any) -> GPTModule:
+    return cls(vocab_size=data().vocab_size, **{**SMALL, **overrides})
+
+
+def regional(**kwargs: Any) -> RegionalCompileFSDPStrategy:
+    options = {"backend": counting_aot_eager, "process_group_backend": "gloo", "cache_dir": False}
+    return RegionalCompileFSDPStrategy(**{**options, **kwargs})
+
+
+def plain(**kwargs: Any) -> ModelParallelStrategy:
+    options = {"data_parallel_size": 2, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
+    return ModelParallelStrategy(**{**options, **kwargs})
+
+
+def fit(
+    model: GPTModule,
+    strategy: Any,
+    root: Path,
+    steps: int = STEPS,
+    ckpt_path: str | None = None,
+    devices: int = 2,
+    **kwargs: Any,
+) -> pl.Trainer:
+    torch._dynamo.reset()
+    GRAPHS.clear()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=any(
+            isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks", ())
+        ),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
+    )
+    trainer.fit(model, data(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, gathered whole (a collective: every rank must call it)."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def summary(model: GPTModule, trainer: pl.Trainer | None = None) -> dict[str, Any]:
+    block = model.model.blocks[0]
+    weight = block.mlp.fc.weight if hasattr(block.mlp, "fc") else next(block.parameters())
+    tracker_report = region_report(model) if "_lightning_regions_tracker" in vars(model) else None
+    result = {
+        "losses": list(model.losses),
+        "params": full_params(model),
+        "block_is_dtensor": isinstance(weight, DTensor),
+        "block_local_numel": weight.to_local().numel() if isinstance(weight, DTensor) else None,
+        "block_full_numel": weight.numel(),
+        "tie_is_one": model.model.lm_head.weight is model.model.wte.weight,
+        "graphs": len(GRAPHS),
+        "compiled": block._compiled_call_impl is not None,
+    }
+    if tracker_report is not None:
+        result["rows"] = [(row.class_name, row.compiled_calls) for row in tracker_report.rows]
+    if trainer is not None and isinstance(trainer.strategy, RegionalCompileFSDPStrategy):
+        result["sharded_groups"] = list(trainer.strategy.sharded_groups)
+    return result
+
+
+def scenario_plain(out: Path) -> dict[str, Any]:
+    model = make(UserShardedGPT)
+    return summary(model, fit(model, plain(), out))
+
+
+def scenario_user(out: Path) -> dict[str, Any]:
+    model = make(UserShardedGPT)
+    strategy = regional(data_parallel_size=2, tensor_parallel_size=1)
+    return summary(model, fit(model, strategy, out, callbacks=[TiedWeightsCheck()]))
+
+
+def scenario_auto(out: Path) -> dict[str, Any]:
+    model = make()
+    return summary(model, fit(model, regional(), out, callbacks=[TiedWeightsCheck()]))
+
+
+def scenario_albert_plain(out: Path) -> dict[str, Any]:
+    model = make(UserShardedGPT, unique_blocks=1)
+    return summary(model, fit(model, plain(), out))
+
+
+def scenario_albert_auto(out: Path) -> dict[str, Any]:
+    model = make(unique_blocks=1)
+    return summary(model, fit(model, regional(), out, callbacks=[TiedWeightsCheck()]))
+
+
+def scenario_bf16_plain(out: Path) -> dict[str, Any]:
+    model = make(UserShardedBF16GPT)
+    return summary(model, fit(model, plain(), out, precision="bf16-mixed"))
+
+
+def scenario_bf16_auto(out: Path) -> dict[str, Any]:
+    model = make()
+    strategy = regional(reshard_after_forward=False)
+    return summary(model, fit(model, strategy, out, precision="bf16-mixed"))
+
+
+def scenario_tie_broken(out: Path) -> dict[str, Any]:
+    model = make(UntiedBeforeShardingGPT)
+    strategy = regional(data_parallel_size=2, tensor_parallel_size=1)
+    try:
+        fit(model, strategy, out, callbacks=[TiedWeightsCheck()])
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
+def scenario_fsdp1(out: Path) -> dict[str, Any]:
+    model = make(FSDP1GPT)
+    strategy = regional(data_parallel_size=2, tensor_parallel_size=1)
+    try:
+        fit(model, strategy, out)
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
+def scenario_devices1(out: Path) -> dict[str, Any]:
+    model = make()
+    trainer = fit(model, regional(), out, devices=1)
+    return summary(model, trainer)
+
+
+def scenario_devices1_plain(out: Path) -> dict[str, Any]:
+    model = make(UserShardedGPT)
+    return summary(model, fit(model, plain(data_parallel_size=1), out, devices=1))
+
+
+def resumed(cls: type[GPTModule], strategy: Any, out: Path, distributed: bool) -> dict[str, Any]:
+    """Losses of a 4-step run that saves at step 2 (an epoch's end), and of two resumes
+    from step 2: from its ``ModelCheckpoint`` file, and from ``trainer.save_checkpoint``
+    called after a 2-step ``fit``."""
+    epoch = {"limit_train_batches": 2}
+    every_2 = ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    whole = make(cls)
+    fit(whole, strategy(save_distributed_checkpoint=distributed), out, callbacks=[every_2], **epoch)
+    at_step_2 = out / "ckpts" / "epoch=0-step=2.ckpt"
+    resumed_model = make(cls)
+    fit(
+        resumed_model,
+        strategy(save_distributed_checkpoint=distributed),
+        out,
+        ckpt_path=str(at_step_2),
+        **epoch,
+    )
+    first = make(cls)
+    after_fit = out / "after_fit.ckpt"
+    fit(
+        first, strategy(save_distributed_checkpoint=distributed), out, steps=2, **epoch
+    ).save_checkpoint(after_fit)
+    second = make(cls)
+    fit(
+        second,
+        strategy(save_distributed_checkpoint=distributed),
+        out,
+        ckpt_path=str(after_fit),
+        **epoch,
+    )
+    result = {
+        "whole": whole.losses,
+        "resumed": resumed_model.losses,
+        "resumed_after_fit": second.losses,
+        "params": full_params(resumed_model),
+        "whole_params": full_params(whole),
+        "is_dir": at_step_2.is_dir(),
+    }
+    if not distributed and torch.distributed.get_rank() == 0:
+        checkpoint = torch.load(at_step_2, weights_only=True)
+        result["keys"] = sorted(checkpoint["state_dict"])
+        plain_model = make()
+        plain_model.load_state_dict(checkpoint["state_dict"], strict=True)  # the plain model
+        result["plain_keys"] = sorted(plain_model.state_dict())
+    return result
+
+
+def scenario_resume_plain_sharded(out: Path) -> dict[str, Any]:
+    return resumed(UserShardedGPT, plain, out, distributed=True)
+
+
+def scenario_resume_plain_full(out: Path) -> dict[str, Any]:
+    return resumed(UserShardedGPT, plain, out, distributed=False)
+
+
+def scenario_resume_regional_sharded(out: Path) -> dict[str, Any]:
+    return resumed(GPTModule, regional, out, distributed=True)
+
+
+def scenario_resume_regional_full(out: Path) -> dict[str, Any]:
+    return resumed(GPTModule, regional, out, distributed=False)
+
+
+SCENARIOS = {
+    name[len("scenario_") :]: f for name, f in globals().items() if name.startswith("scenario_")
+}
+
+
+def main(out: Path, names: list[str]) -> None:
+    for name in names:
+        result = SCENARIOS[name](out / name)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        torch.save(result, out / f"{name}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
