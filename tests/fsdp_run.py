@@ -11,7 +11,9 @@ once; dynamo is reset between them, so nothing compiled is shared.
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,20 +111,22 @@ def fit(
 ) -> pl.Trainer:
     torch._dynamo.reset()
     GRAPHS.clear()
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks", ()))
+    options = {
+        "limit_val_batches": 0,
+        "logger": False,
+        "enable_checkpointing": checkpointing,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        **kwargs,
+    }
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
         max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=any(
-            isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks", ())
-        ),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
-        **kwargs,
+        **options,
     )
     trainer.fit(model, data(), ckpt_path=ckpt_path)
     return trainer
@@ -192,6 +196,77 @@ def scenario_bf16_auto(out: Path) -> dict[str, Any]:
     model = make()
     strategy = regional(reshard_after_forward=False)
     return summary(model, fit(model, strategy, out, precision="bf16-mixed"))
+
+
+def failing_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    raise RuntimeError("backend failed on purpose")
+
+
+class SeenCacheDir(pl.Callback):
+    """The inductor cache directory in effect while this rank trains."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def scenario_per_rank_eager_fallback(out: Path) -> dict[str, Any]:
+    """on_compile_error="eager", the run's cache directory and the recompile watch."""
+    model, seen = make(), SeenCacheDir()
+    strategy = regional(
+        backend=failing_backend,
+        on_compile_error="eager",
+        cache_dir=True,
+        recompile_warn_threshold=1,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, strategy, out, callbacks=[seen])
+    result = summary(model)
+    result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    result["cache_dir"] = seen.directory
+    result["errors"] = [row.compile_error for row in region_report(model).rows]
+    return result
+
+
+def scenario_per_rank_recompiles(out: Path) -> dict[str, Any]:
+    """A sanity check compiles the eval graph; training recompiles for train mode."""
+    model = make()
+    strategy = regional(recompile_warn_threshold=1, dynamic=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, strategy, out, limit_val_batches=1, num_sanity_val_steps=1)
+    result = {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+    result["recompiles"] = sum(e.recompiles for e in region_report(model).recompiles)
+    return result
+
+
+def inductor_counts() -> dict[str, int]:
+    counters = torch._dynamo.utils.counters
+    return {
+        "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+    }
+
+
+def scenario_per_rank_artifacts(out: Path) -> dict[str, Any]:
+    """Inductor: a checkpoint carries the artifacts; a resume into an empty cache starts
+    warm on every rank."""
+    every_2 = ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    torch._dynamo.utils.counters.clear()
+    cold_model = make(n_layer=2)
+    cold = regional(backend="inductor", cache_dir=str(out / "cache_cold"))
+    fit(cold_model, cold, out, steps=2, callbacks=[every_2], limit_train_batches=2)
+    cold_counts = inductor_counts()
+    torch._dynamo.utils.counters.clear()
+    warm_model = make(n_layer=2)
+    warm = regional(backend="inductor", cache_dir=str(out / f"cache_empty{rank()}"))
+    at_step_2 = str(out / "ckpts" / "epoch=0-step=2.ckpt")
+    fit(warm_model, warm, out, steps=4, ckpt_path=at_step_2, limit_train_batches=2)
+    return {"cold": cold_counts, "warm": inductor_counts(), "losses": warm_model.losses}
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def scenario_tie_broken(out: Path) -> dict[str, Any]:
@@ -296,8 +371,7 @@ SCENARIOS = {
 def main(out: Path, names: list[str]) -> None:
     for name in names:
         result = SCENARIOS[name](out / name)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        torch.save(result, out / f"{name}_rank{rank}.pt")
+        torch.save(result, out / f"{name}_rank{rank()}.pt")
 
 
 if __name__ == "__main__":

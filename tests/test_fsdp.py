@@ -34,6 +34,8 @@ TWO_PROCESS_SCENARIOS = [
     "bf16_plain",
     "bf16_auto",
     "tie_broken",
+    "per_rank_eager_fallback",
+    "per_rank_recompiles",
     "fsdp1",
     "resume_plain_sharded",
     "resume_plain_full",
@@ -125,6 +127,44 @@ def test_bf16_mixed_policy_and_reshard_option_equal_plain_fsdp2_with_the_same(ru
         assert_sharded_compiled(auto[rank])
     for name, value in plain[0]["params"].items():
         torch.testing.assert_close(auto[0]["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.ddp
+def test_each_rank_falls_back_to_eager_and_keeps_the_run_cache_dir(runs):
+    plain = ranks(runs, "plain")
+    for rank, result in enumerate(ranks(runs, "per_rank_eager_fallback")):
+        assert result["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-6)
+        assert result["errors"][0] == "RuntimeError: backend failed on purpose"
+        assert all(calls == 0 for _, calls in result["rows"])  # eager, and reported so
+        assert any(w.startswith("RegionCompileWarning") for w in result["warnings"])
+        assert any(w.startswith("RegionNotCompiledWarning") for w in result["warnings"])
+        expected = runs / "per_rank_eager_fallback" / "compile_cache"
+        assert Path(result["cache_dir"]) == expected.resolve()
+
+
+@pytest.mark.ddp
+def test_each_rank_watches_recompiles(runs):
+    for result in ranks(runs, "per_rank_recompiles"):
+        assert result["recompiles"] == 1  # the sanity check's eval graph, then train mode
+        storms = [w for w in result["warnings"] if w.startswith("RecompileStormWarning")]
+        assert len(storms) == 1 and "GPTBlock recompiled 1 times" in storms[0]
+
+
+@pytest.mark.ddp
+@pytest.mark.inductor
+def test_each_rank_starts_warm_from_checkpoint_artifacts(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    subprocess.run(
+        [*command, str(SCRIPT), str(tmp_path), "per_rank_artifacts"],
+        check=True,
+        env=_clean_env(),
+        timeout=600,
+    )
+    for result in ranks(tmp_path, "per_rank_artifacts"):
+        assert result["cold"]["fxgraph_miss"] > 0 and result["cold"]["fxgraph_hit"] == 0
+        # an empty cache directory per rank: every graph comes from the checkpoint
+        assert result["warm"]["fxgraph_hit"] == result["cold"]["fxgraph_miss"]
+        assert result["warm"]["fxgraph_miss"] == 0
 
 
 @pytest.mark.ddp
