@@ -30,5 +30,11 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     )
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """The console script: run, and exit 0 on success (``main`` returns the CLI object,
+    which ``sys.exit`` would print and turn into status 1)."""
     main()
+
+
+if __name__ == "__main__":
+    command()

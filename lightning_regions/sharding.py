@@ -13,14 +13,14 @@ Plain torch: no Lightning import here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
-from .regions import RegionPlan
+from .regions import Region, RegionPlan
 
 log = logging.getLogger(__name__)
 
@@ -54,51 +54,102 @@ def shard_by_plan(
 ) -> list[str]:
     """``fully_shard`` each region once, then the root's children; return the groups.
 
-    Each returned entry names one FSDP group by its module paths. Raises ``ValueError``
-    when a parameter would stay unsharded (held by the root itself), since its
-    gradients would not be reduced across ranks.
+    Each returned entry names one FSDP group by its module paths. Raises ``ValueError``,
+    before sharding anything, when a parameter would stay unsharded (held by the root
+    itself: its gradients would not be reduced across ranks) or fall into two groups.
     """
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
+    own = [name for name, p in root._parameters.items() if p is not None]
+    if own:
+        raise ValueError(
+            f"Parameters {own} are held by {type(root).__name__} itself, so sharding by "
+            "the region plan would leave them unsharded and their gradients unreduced. "
+            "Move them into a submodule, or shard in configure_model()."
+        )
+    region_ids = plan.region_ids()
+    _check_each_parameter_in_one_group(root, plan, region_ids)
     groups: list[str] = []
     for region in plan.regions:
         if not isinstance(region.module, FSDPModule):  # a second setup() shards nothing
             fully_shard(region.module, **options)
             groups.append(region.label)
-    for names in _unsharded_child_groups(root):
+    for names in _unsharded_child_groups(root, region_ids):
         children = [root.get_submodule(name) for name in names]
         fully_shard(children if len(children) > 1 else children[0], **options)
         groups.append(" + ".join(names))
-    left = [name for name, p in root.named_parameters() if not isinstance(p, DTensor)]
-    if left:
-        raise ValueError(
-            f"Parameters {left} are held by {type(root).__name__} itself, so sharding by "
-            "the region plan would leave them unsharded and their gradients unreduced. "
-            "Move them into a submodule, or shard in configure_model()."
-        )
     log.info("fully_shard applied to %d group(s): %s", len(groups), "; ".join(groups))
     return groups
 
 
-def _unsharded_child_groups(root: nn.Module) -> list[list[str]]:
-    """Names of the root's children with unsharded parameters, children sharing one
-    parameter in one group, in registration order."""
+def _check_each_parameter_in_one_group(
+    root: nn.Module, plan: RegionPlan, region_ids: set[int]
+) -> None:
+    """Raise before sharding if a parameter would fall into two FSDP groups: FSDP2 would
+    give one group a new sharded ``Parameter`` and leave the other the old one, a tie
+    silently broken."""
+    owner: dict[int, tuple[Region, str]] = {}
+    for region in plan.regions:
+        for name, p in region.module.named_parameters():
+            first_region, first_name = owner.setdefault(id(p), (region, name))
+            if first_region is not region:
+                first = f"{first_region.label} ({first_name})"
+                raise ValueError(_two_groups(first, f"{region.label} ({name})"))
+    for name, child in root.named_children():
+        for p in _params_outside(child, region_ids):
+            if id(p) in owner:
+                first_region, first_name = owner[id(p)]
+                raise ValueError(_two_groups(f"{first_region.label} ({first_name})", f"'{name}'"))
+
+
+def _two_groups(first: str, second: str) -> str:
+    return (
+        f"{second} holds a parameter that {first} also holds: sharding by the region plan "
+        "would put it in two FSDP2 groups and break the tie. Shard in configure_model(), "
+        "or choose regions (regions=...) that own their parameters."
+    )
+
+
+def _unsharded_child_groups(root: nn.Module, region_ids: set[int]) -> list[list[str]]:
+    """Names of the root's children that hold parameters outside every region, in
+    registration order; children that share a parameter fall into one group."""
     groups: list[list[str]] = []
-    owner_of_param: dict[int, list[str]] = {}
+    group_of_param: dict[int, list[str]] = {}
     seen: set[int] = set()
     for name, child in root.named_children():
-        if id(child) in seen:
-            continue  # an alias of an earlier child
+        if id(child) in seen or isinstance(child, FSDPModule):
+            continue  # an alias of an earlier child, or sharded by an earlier setup()
         seen.add(id(child))
-        params = [p for p in child.parameters() if not isinstance(p, DTensor)]
+        params = list({id(p): p for p in _params_outside(child, region_ids)}.values())
         if not params:
             continue
-        joined = next((owner_of_param[id(p)] for p in params if id(p) in owner_of_param), None)
-        group = joined if joined is not None else []
-        if joined is None:
-            groups.append(group)
-        group.append(name)
+        joined: list[list[str]] = []
         for p in params:
-            owner_of_param[id(p)] = group
+            group = group_of_param.get(id(p))
+            if group is not None and not any(group is other for other in joined):
+                joined.append(group)
+        group = joined[0] if joined else []
+        if not joined:
+            groups.append(group)
+        for other in joined[1:]:  # this child ties two earlier groups together
+            group.extend(other)
+            groups = [g for g in groups if g is not other]
+            group_of_param.update({k: group for k, g in group_of_param.items() if g is other})
+        group.append(name)
+        group_of_param.update({id(p): group for p in params})
     return groups
+
+
+def _params_outside(
+    module: nn.Module, region_ids: set[int], visited: set[int] | None = None
+) -> Iterator[nn.Parameter]:
+    """``module``'s parameters, not descending into regions (their group holds them)."""
+    visited = set() if visited is None else visited
+    if id(module) in region_ids or id(module) in visited:
+        return
+    visited.add(id(module))
+    yield from (p for p in module._parameters.values() if p is not None)
+    for child in module._modules.values():
+        if child is not None:
+            yield from _params_outside(child, region_ids, visited)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +175,14 @@ def scenario_user(out: Path) -> dict[str, Any]:
 
 def scenario_auto(out: Path) -> dict[str, Any]:
     model = make()
-    return summary(model, fit(model, regional(), out, callbacks=[TiedWeightsCheck()]))
+    trainer = fit(model, regional(), out, callbacks=[TiedWeightsCheck()])
+    result = summary(model, trainer)
+    # validate() runs setup() again: nothing is sharded or compiled a second time
+    trainer.limit_val_batches = 2
+    trainer.validate(model, data(), verbose=False)
+    result["groups_after_validate"] = list(trainer.strategy.sharded_groups)
+    result["val_perplexity"] = float(trainer.callback_metrics["val_perplexity"])
+    return result
 
 
 def scenario_albert_plain(out: Path) -> dict[str, Any]:
@@ -347,24 +355,16 @@ def resumed(cls: type[GPTModule], strategy: Any, out: Path, distributed: bool) -
     return result
 
 
-def scenario_resume_plain_sharded(out: Path) -> dict[str, Any]:
-    return resumed(UserShardedGPT, plain, out, distributed=True)
-
-
-def scenario_resume_plain_full(out: Path) -> dict[str, Any]:
-    return resumed(UserShardedGPT, plain, out, distributed=False)
-
-
-def scenario_resume_regional_sharded(out: Path) -> dict[str, Any]:
-    return resumed(GPTModule, regional, out, distributed=True)
-
-
-def scenario_resume_regional_full(out: Path) -> dict[str, Any]:
-    return resumed(GPTModule, regional, out, distributed=False)
-
-
 SCENARIOS = {
-    name[len("scenario_") :]: f for name, f in globals().items() if name.startswith("scenario_")
+    name[len("scenario_") :]: function
+    for name, function in globals().items()
+    if name.startswith("scenario_")
+}
+SCENARIOS |= {
+    "resume_plain_sharded": partial(resumed, UserShardedGPT, plain, distributed=True),
+    "resume_plain_full": partial(resumed, UserShardedGPT, plain, distributed=False),
+    "resume_regional_sharded": partial(resumed, GPTModule, regional, distributed=True),
+    "resume_regional_full": partial(resumed, GPTModule, regional, distributed=False),
 }
 
 

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_regions import RegionalCompileDDPStrategy, RegionalCompileStrategy, TiedWeightsCheck
+from lightning_regions import (
+    RegionalCompileDDPStrategy,
+    RegionalCompileFSDPStrategy,
+    RegionalCompileStrategy,
+    TiedWeightsCheck,
+)
 from lightning_regions.cli import main
 
 ROOT = Path(__file__).parent.parent
@@ -38,6 +43,23 @@ def test_class_path_form_selects_the_ddp_strategy_with_ddp_arguments():
     assert isinstance(strategy, RegionalCompileDDPStrategy)
     assert strategy.process_group_backend == "gloo"
     assert cli.trainer.num_devices == 2
+
+
+def test_fsdp_config_selects_the_fsdp2_strategy_with_its_arguments():
+    cli = parse("--config", str(CONFIGS / "regional_fsdp.yaml"))
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, RegionalCompileFSDPStrategy)
+    assert strategy.process_group_backend == "gloo"
+    assert strategy.reshard_after_forward is True
+    assert strategy._save_distributed_checkpoint is False
+    assert cli.trainer.num_devices == 2
+
+
+def test_fsdp_strategy_name_resolves_in_yaml():
+    cli = parse(
+        "--config", str(CONFIGS / "regional.yaml"), "--trainer.strategy=regional_compile_fsdp"
+    )
+    assert isinstance(cli.trainer.strategy, RegionalCompileFSDPStrategy)
 
 
 def test_callback_only_config_keeps_the_default_strategy():
@@ -94,6 +116,39 @@ def test_console_script_is_installed_and_registers_names():
     )
     assert result.returncode == 0, result.stderr
     assert "regional_compile" in result.stdout
+
+
+def test_console_script_fit_exits_zero(tmp_path):
+    command = shutil.which("lightning-regions") or str(
+        Path(__import__("sys").executable).parent / "lightning-regions"
+    )
+    overrides = [
+        "--trainer.strategy.init_args.backend=eager",
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--model.init_args.n_layer=2",
+        "--model.init_args.n_embd=16",
+        "--model.init_args.block_size=16",
+        "--data.init_args.block_size=16",
+    ]
+    config = tmp_path / "regional.yaml"
+    body = yaml.safe_load((CONFIGS / "regional.yaml").read_text())
+    body["trainer"]["strategy"] = {
+        "class_path": "lightning_regions.RegionalCompileStrategy",
+        "init_args": {"backend": "eager"},
+    }
+    config.write_text(yaml.safe_dump(body))
+    result = subprocess.run(
+        [command, "fit", "--config", str(config), *overrides],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "LightningCLI object" not in result.stderr
 
 
 def test_albert_config_compiles_one_region_at_every_position(tmp_path):

@@ -103,6 +103,8 @@ def test_strategy_shards_by_the_plan_and_equals_plain_fsdp2(runs):
             "GPTBlock at model.blocks.2, model.layers.2",
             "model",
         ]
+        assert rank["groups_after_validate"] == rank["sharded_groups"]
+        assert 1.0 < rank["val_perplexity"] < 100.0
 
 
 @pytest.mark.ddp
@@ -260,6 +262,7 @@ def test_parameters_on_the_root_itself_raise(single_rank_mesh):
     model = HoldsScale()
     with pytest.raises(ValueError, match=r"\['scale'\].*HoldsScale itself"):
         shard_by_plan(model, find_regions(model, "body"), single_rank_mesh)
+    assert not isinstance(model.body, FSDPModule)  # raised before sharding anything
 
 
 def test_children_sharing_a_parameter_form_one_group(single_rank_mesh):
@@ -277,3 +280,43 @@ def test_children_sharing_a_parameter_form_one_group(single_rank_mesh):
     assert model.head.weight is model.embed.weight
     assert isinstance(model.embed, FSDPModule) and isinstance(model.head, FSDPModule)
     assert not isinstance(model, FSDPModule)  # never the root
+
+
+def test_a_child_tying_two_groups_merges_them(single_rank_mesh):
+    class ThreeTied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+            self.c = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+            self.c[0].weight, self.c[1].weight = self.a.weight, self.b.weight
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    model = ThreeTied()
+    groups = shard_by_plan(model, find_regions(model, "blocks.*"), single_rank_mesh)
+    assert groups[-1] == "a + b + c"
+    assert model.c[0].weight is model.a.weight and model.c[1].weight is model.b.weight
+
+
+def test_a_parameter_shared_by_a_region_and_a_child_raises(single_rank_mesh):
+    class SharedWithBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+            self.head = torch.nn.Linear(4, 4)
+            self.head.weight = self.blocks[0].weight
+
+    model = SharedWithBlock()
+    with pytest.raises(ValueError, match=r"'head' holds a parameter that Linear at blocks\.0"):
+        shard_by_plan(model, find_regions(model, "blocks.*"), single_rank_mesh)
+    assert not isinstance(model.blocks[0], FSDPModule)  # raised before sharding anything
+
+    class TiedBlocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+            self.blocks[1].weight = self.blocks[0].weight
+
+    model = TiedBlocks()
+    with pytest.raises(ValueError, match=r"Linear at blocks\.1 \(weight\) holds a parameter"):
+        shard_by_plan(model, find_regions(model, "blocks.*"), single_rank_mesh)
