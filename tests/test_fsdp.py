@@ -17,10 +17,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from models import SingleBlockList
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from examples.lightning_gpt import GPTModule
+from examples.tiny_gpt import GPTConfig, TinyGPT
 from lightning_regions import RegionalCompileFSDPStrategy, find_regions
 from lightning_regions.sharding import mixed_precision_policy, shard_by_plan
 
@@ -320,3 +322,20 @@ def test_a_parameter_shared_by_a_region_and_a_child_raises(single_rank_mesh):
     model = TiedBlocks()
     with pytest.raises(ValueError, match=r"Linear at blocks\.1 \(weight\) holds a parameter"):
         shard_by_plan(model, find_regions(model, "blocks.*"), single_rank_mesh)
+
+
+def test_regions_are_found_by_the_models_own_class_after_fully_shard(single_rank_mesh):
+    """fully_shard swaps in an FSDP<Class> subclass made in torch's module: selectors,
+    reasons and the one-block rule still see the model's class."""
+    model = TinyGPT(GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=8))
+    for block in model.blocks:
+        fully_shard(block, mesh=single_rank_mesh)
+    assert type(model.blocks[0]).__name__ == "FSDPGPTBlock"
+    plan = find_regions(model, "GPTBlock")
+    assert [region.class_name for region in plan.regions] == ["GPTBlock"] * 3
+    assert "repeated GPTBlock" in find_regions(model).regions[0].reason
+
+    looped = SingleBlockList()
+    fully_shard(looped.groups[0], mesh=single_rank_mesh)
+    (region,) = find_regions(looped).regions
+    assert region.module is looped.groups[0]
