@@ -37,10 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("eager", "whole", "whole_one_group", "regional", "regional_compile_first")
-STEPS = 16
+STEPS = 16  # default; --steps
 
 
-def run_worker(variant: str, depth: int, width: int, result_path: Path) -> None:
+def run_worker(variant: str, depth: int, width: int, steps: int, result_path: Path) -> None:
     """One rank of one run (under torchrun)."""
     sys.path.insert(0, str(ROOT))
     import lightning.pytorch as pl
@@ -91,7 +91,7 @@ def run_worker(variant: str, depth: int, width: int, result_path: Path) -> None:
         strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_steps=STEPS,
+        max_steps=steps,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -112,7 +112,7 @@ def run_worker(variant: str, depth: int, width: int, result_path: Path) -> None:
         result_path.write_text(json.dumps(result))
 
 
-def run_isolated(variant: str, depth: int, width: int) -> dict:
+def run_isolated(variant: str, depth: int, width: int, steps: int) -> dict:
     """One cold 2-process run with its own empty inductor cache."""
     with tempfile.TemporaryDirectory(prefix="fsdp-cold-") as tmp:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_"))}
@@ -120,7 +120,7 @@ def run_isolated(variant: str, depth: int, width: int) -> dict:
         result = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc_per_node=2", __file__, "--worker", variant, "--result", str(result)]
-        command += ["--depth", str(depth), "--width", str(width)]
+        command += ["--depth", str(depth), "--width", str(width), "--steps", str(steps)]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
@@ -174,19 +174,20 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        run_worker(args.worker, args.depth, args.width, args.result)
+        run_worker(args.worker, args.depth, args.width, args.steps, args.result)
         return
 
     runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
     for repeat in range(args.repeats):
         for variant in args.variants:  # interleaved, so drift hits every variant alike
-            result = run_isolated(variant, args.depth, args.width)
+            result = run_isolated(variant, args.depth, args.width, args.steps)
             runs[variant].append(result)
             shown = {k: v for k, v in result.items() if k != "losses"}
             print(f"repeat {repeat + 1} {variant:24s} {shown}", flush=True)
@@ -194,7 +195,7 @@ def main() -> None:
     (args.out / "fsdp.json").write_text(json.dumps(runs, indent=1))
     header = (
         f"Depth {args.depth}, width {args.width}, batch 8x128 tokens per rank, 2 processes "
-        f"over gloo, {STEPS} steps. Medians of {args.repeats} run(s), each with a fresh "
+        f"over gloo, {args.steps} steps. Medians of {args.repeats} run(s), each with a fresh "
         "inductor cache.\n\n"
     )
     (args.out / "fsdp.md").write_text(header + table(runs) + "\n")
