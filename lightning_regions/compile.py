@@ -189,6 +189,7 @@ def compile_regions(
     on_compile_error: str = "raise",
     observe_calls: int | None = OBSERVED_CALLS,
     root_is_called: bool = True,
+    plan: RegionPlan | None = None,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """Compile the repeated blocks of ``module``, keeping its shared structure exactly.
@@ -213,12 +214,15 @@ def compile_regions(
     calls (``None``: until ``end_observation(result)``); after that, nothing of ours is
     on a region's call path. ``root_is_called=False`` says that nobody calls ``module``
     itself (a LightningModule under Lightning), which changes the fallback for a model
-    without repeated blocks; see ``find_regions``.
+    without repeated blocks; see ``find_regions``. ``plan``: a plan already made by
+    ``find_regions(module, ...)`` for this module, applied instead of planning again
+    (then ``regions`` and ``root_is_called`` are not read).
     """
     validate_on_compile_error(on_compile_error)
     if observe_calls is not None and observe_calls < 1:
         raise ValueError(f"observe_calls={observe_calls}: use a positive count, or None.")
-    plan = find_regions(module, regions, root_is_called=root_is_called)
+    if plan is None:
+        plan = find_regions(module, regions, root_is_called=root_is_called)
     tracker, torch_kwargs = tracked_compile_kwargs(
         plan, compile_kwargs, on_compile_error, observe_calls
     )

@@ -28,8 +28,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 
-from .compile import tracker_of
-from .regions import find_regions
+from .regions import RegionPlan, find_regions
 from .sharding import mixed_precision_policy, shard_by_plan
 from .strategy import RegionalCompileMixin
 
@@ -139,14 +138,15 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
             return
         ModelParallelStrategy.model_to_device(self)
         module = self.lightning_module
+        plan = find_regions(module, self.regions, root_is_called=False)  # one plan for both
         if self.compile_before_shard:
-            self.compile_in_place(module, root_is_called=False)
-            self._shard(tracker_of(module).plan)  # type: ignore[union-attr]
+            self.compile_in_place(module, root_is_called=False, plan=plan)
+            self._shard(plan)
         else:
-            self._shard(find_regions(module, self.regions, root_is_called=False))
-            self.compile_in_place(module, root_is_called=False)
+            self._shard(plan)
+            self.compile_in_place(module, root_is_called=False, plan=plan)
 
-    def _shard(self, plan: Any) -> None:
+    def _shard(self, plan: RegionPlan) -> None:
         policy = mixed_precision_policy(self.precision_plugin.precision)
         self.sharded_groups += shard_by_plan(
             self.lightning_module,

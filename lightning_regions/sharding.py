@@ -68,14 +68,14 @@ def shard_by_plan(
             "the region plan would leave them unsharded and their gradients unreduced. "
             "Move them into a submodule, or shard in configure_model()."
         )
-    region_ids = plan.region_ids()
-    _check_each_parameter_in_one_group(root, plan, region_ids)
+    children = _unsharded_children(root, plan.region_ids())
+    _check_each_parameter_in_one_group(plan, children)
     groups: list[str] = []
     for region in plan.regions:
         if not isinstance(region.module, FSDPModule):  # a second setup() shards nothing
             fully_shard(region.module, **options)
             groups.append(region.label)
-    for names in _unsharded_child_groups(root, region_ids):
+    for names in _child_groups(children):
         children = [root.get_submodule(name) for name in names]
         fully_shard(children if len(children) > 1 else children[0], **options)
         groups.append(" + ".join(names))
@@ -83,8 +83,26 @@ def shard_by_plan(
     return groups
 
 
+def _unsharded_children(
+    root: nn.Module, region_ids: set[int]
+) -> list[tuple[str, list[nn.Parameter]]]:
+    """Each distinct child of the root not yet sharded, with its parameters outside every
+    region (their own groups hold those), in registration order; children without any
+    are left out."""
+    children: list[tuple[str, list[nn.Parameter]]] = []
+    seen: set[int] = set()
+    for name, child in root.named_children():
+        if id(child) in seen or isinstance(child, FSDPModule):
+            continue  # an alias of an earlier child, or sharded by an earlier setup()
+        seen.add(id(child))
+        params = list({id(p): p for p in _params_outside(child, region_ids)}.values())
+        if params:
+            children.append((name, params))
+    return children
+
+
 def _check_each_parameter_in_one_group(
-    root: nn.Module, plan: RegionPlan, region_ids: set[int]
+    plan: RegionPlan, children: list[tuple[str, list[nn.Parameter]]]
 ) -> None:
     """Raise before sharding if a parameter would fall into two FSDP groups: FSDP2 would
     give one group a new sharded ``Parameter`` and leave the other the old one, a tie
@@ -96,8 +114,8 @@ def _check_each_parameter_in_one_group(
             if first_region is not region:
                 first = f"{first_region.label} ({first_name})"
                 raise ValueError(_two_groups(first, f"{region.label} ({name})"))
-    for name, child in root.named_children():
-        for p in _params_outside(child, region_ids):
+    for name, params in children:
+        for p in params:
             if id(p) in owner:
                 first_region, first_name = owner[id(p)]
                 raise ValueError(_two_groups(f"{first_region.label} ({first_name})", f"'{name}'"))
@@ -111,19 +129,11 @@ def _two_groups(first: str, second: str) -> str:
     )
 
 
-def _unsharded_child_groups(root: nn.Module, region_ids: set[int]) -> list[list[str]]:
-    """Names of the root's children that hold parameters outside every region, in
-    registration order; children that share a parameter fall into one group."""
+def _child_groups(children: list[tuple[str, list[nn.Parameter]]]) -> list[list[str]]:
+    """The children's names grouped so that children sharing a parameter are together."""
     groups: list[list[str]] = []
     group_of_param: dict[int, list[str]] = {}
-    seen: set[int] = set()
-    for name, child in root.named_children():
-        if id(child) in seen or isinstance(child, FSDPModule):
-            continue  # an alias of an earlier child, or sharded by an earlier setup()
-        seen.add(id(child))
-        params = list({id(p): p for p in _params_outside(child, region_ids)}.values())
-        if not params:
-            continue
+    for name, params in children:
         joined: list[list[str]] = []
         for p in params:
             group = group_of_param.get(id(p))

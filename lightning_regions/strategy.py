@@ -33,7 +33,7 @@ from .compile import (
     validate_compile_arguments,
     validate_on_compile_error,
 )
-from .regions import Selectors
+from .regions import RegionPlan, Selectors
 from .report import (
     RegionNotCompiledWarning,
     RegionReport,
@@ -114,8 +114,10 @@ class RegionalCompileBase:
             restore_cache_dir(self._previous_cache_dir)
             self._cache_dir_entered = False
 
-    def compile_in_place(self, module: Any, root_is_called: bool) -> None:
-        """Compile ``module``'s regions in place and log the plan."""
+    def compile_in_place(
+        self, module: Any, root_is_called: bool, plan: RegionPlan | None = None
+    ) -> None:
+        """Compile ``module``'s regions in place (by ``plan`` when given) and log them."""
         _refuse_whole_model_compile(module)
         self._enter_cache_dir()
         compile_regions(
@@ -125,6 +127,7 @@ class RegionalCompileBase:
             on_compile_error=self.on_compile_error,
             observe_calls=None,  # until the first optimizer step is reported
             root_is_called=root_is_called,
+            plan=plan,
             **self.compile_kwargs,
         )
         rank_zero_info(f"{region_report(module)}")

@@ -34,6 +34,7 @@ from lightning_regions import (
     TiedWeightsCheck,
     region_report,
 )
+from lightning_regions.compile import tracker_of
 
 SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": None}
 STEPS = 4
@@ -144,7 +145,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def summary(model: GPTModule, trainer: pl.Trainer | None = None) -> dict[str, Any]:
     block = model.model.blocks[0]
     weight = block.mlp.fc.weight if hasattr(block.mlp, "fc") else next(block.parameters())
-    tracker_report = region_report(model) if "_lightning_regions_tracker" in vars(model) else None
+    tracker_report = region_report(model) if tracker_of(model) is not None else None
     result = {
         "losses": list(model.losses),
         "params": full_params(model),
