@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from processes import launch_env
 
 SCRIPT = Path(__file__).parent / "ddp_run.py"
 
 
 def run_ddp(mode: str, out: Path) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_"))}
-    subprocess.run([sys.executable, str(SCRIPT), mode, str(out)], check=True, env=env, timeout=300)
+    command = [sys.executable, str(SCRIPT), mode, str(out)]
+    subprocess.run(command, check=True, env=launch_env(), timeout=300)
     return [torch.load(out / f"{mode}_rank{r}.pt", weights_only=False) for r in range(2)]
 
 

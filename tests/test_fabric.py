@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
+from processes import launch_env
 from torch import nn
 
 import lightning_regions.fabric as regional_fabric
@@ -123,7 +124,7 @@ def test_the_tie_check_can_warn_instead():
 def run_ddp(strategy: str, out: Path) -> list[dict]:
     command = [sys.executable, str(SCRIPT), "--strategy", strategy, "--devices", "2"]
     command += ["--steps", "3", "--backend", "aot_eager", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, env=launch_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((out / f"{strategy}_rank{r}.json").read_text()) for r in range(2)]
 

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from models import SingleBlockList
+from processes import launch_env
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -46,11 +47,6 @@ TWO_PROCESS_SCENARIOS = [
 ]
 
 
-def _clean_env() -> dict[str, str]:
-    prefixes = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "GROUP_RANK")
-    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
@@ -58,7 +54,7 @@ def runs(tmp_path_factory) -> Path:
     subprocess.run(
         [*command, str(SCRIPT), str(out), *TWO_PROCESS_SCENARIOS],
         check=True,
-        env=_clean_env(),
+        env=launch_env(),
         timeout=600,
     )
     return out
@@ -161,7 +157,7 @@ def test_each_rank_starts_warm_from_checkpoint_artifacts(tmp_path):
     subprocess.run(
         [*command, str(SCRIPT), str(tmp_path), "per_rank_artifacts"],
         check=True,
-        env=_clean_env(),
+        env=launch_env(),
         timeout=600,
     )
     for result in ranks(tmp_path, "per_rank_artifacts"):
@@ -216,7 +212,7 @@ def test_one_device_works_and_equals_plain_fsdp2_on_one_device(tmp_path):
         subprocess.run(
             [sys.executable, str(SCRIPT), str(tmp_path), scenario],
             check=True,
-            env=_clean_env(),
+            env=launch_env(),
             timeout=300,
         )
     ours = torch.load(tmp_path / "devices1_rank0.pt", weights_only=False)
@@ -234,8 +230,18 @@ def test_mixed_precision_follows_lightning_precision():
         mixed_precision_policy("16-mixed")
 
 
+@pytest.fixture
+def restored_environ():
+    """Lightning's launcher writes MASTER_PORT, LOCAL_RANK... into this process's
+    environment; later tests that start processes must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def test_tensor_parallel_size_without_configure_model_raises_before_any_process_group(
-    tmp_path,
+    tmp_path, restored_environ
 ):
     strategy = RegionalCompileFSDPStrategy(tensor_parallel_size=2, process_group_backend="gloo")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path)
