@@ -14,7 +14,9 @@ by their keys. So a checkpoint carries them signed (HMAC-SHA256 over the guard a
 bytes) with a key that belongs to the user (``artifact_key``), and only artifacts
 signed with this user's key are loaded. Unsigned or foreign ones are ignored with one
 warning (a cold start) unless the caller opts in. Even signed artifacts are checked,
-without unpickling anything, for registered types and plain file-name keys.
+without unpickling anything, for registered types and for keys whose files land inside
+the cache directory (``ARTIFACT_LANDING``, read from torch's populate code). Any refusal
+is one warning and a cold start: it never stops a resume.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import re
 import secrets
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +40,6 @@ CHECKPOINT_KEY = "lightning_regions_compile_cache"
 #: The environment variable that holds the signing secret itself (clusters).
 KEY_ENVIRONMENT_VARIABLE = "LIGHTNING_REGIONS_ARTIFACT_KEY"
 KEY_FILE_NAME = "artifact_key"
-#: What a torch cache key looks like: one file name, no separators, no parent.
-SAFE_CACHE_KEY = re.compile(r"[A-Za-z0-9_\-.+=]+")
 
 
 class CacheArtifactsIgnoredWarning(UserWarning):
@@ -46,7 +47,7 @@ class CacheArtifactsIgnoredWarning(UserWarning):
 
 
 class CacheArtifactsRefusedError(ValueError):
-    """Artifacts that passed the signature check are not of a shape torch writes."""
+    """Artifacts of a type or key that torch would not write inside the cache directory."""
 
 
 def key_path() -> Path:
@@ -83,9 +84,58 @@ def sign(guard: dict[str, str], artifacts: bytes, key: bytes | None = None) -> s
     return hmac.new(key or artifact_key(), message, hashlib.sha256).hexdigest()
 
 
-def check_artifact_shapes(artifacts: bytes) -> Any:
+#: Where torch's ``populate_cache`` writes each registered artifact type, as a path
+#: relative to inductor's cache directory, given the artifact's key (torch 2.13):
+#: - ``inductor``: ``InductorCacheArtifact`` -> ``FxGraphCache._write_to_local_cache``
+#:   writes ``fxgraph/<key[1:3]>/<key>/<sha256>`` (``FxGraphCache._get_tmp_dir_for_key``);
+#: - ``aot_autograd``: ``AOTAutogradCacheArtifact`` -> ``AOTAutogradCache._write_to_local_cache``
+#:   writes ``aotautograd/<key>/<sha256>``;
+#: - ``autotune``: ``AutotuneCacheArtifact.populate_cache`` writes ``<key>`` itself, and
+#:   CUDA keys are ``<2 chars>/<hash>.best_config``: a sub-folder, not an escape;
+#: - ``precompile``: ``PrecompileCacheArtifact`` -> ``DynamoCache._write_to_local_cache``
+#:   writes ``dynamo/<key>/entry``;
+#: - ``pgo``: ``PGOCacheArtifact`` -> ``pgo.write_local_impl`` writes
+#:   ``dynamo/code_state_<key>.pkl`` with ``<>:"/\\|?*`` replaced by ``_``
+#:   (``pgo.code_state_path``), plus ``.tmp`` and ``.lock`` beside it.
+ARTIFACT_LANDING: dict[str, Callable[[str], str]] = {
+    "inductor": lambda key: os.path.join("fxgraph", key[1:3], key, "entry"),
+    "aot_autograd": lambda key: os.path.join("aotautograd", key, "entry"),
+    "autotune": lambda key: key,
+    "precompile": lambda key: os.path.join("dynamo", key, "entry"),
+    "pgo": lambda key: os.path.join(
+        "dynamo", re.sub(r'[<>:"/\\|?*]', "_", f"code_state_{key}.pkl")
+    ),
+}
+
+
+def artifact_landing(artifact_type: str, key: object, cache_root: str) -> str:
+    """The absolute path torch writes an artifact of ``artifact_type`` and ``key`` to,
+    under ``cache_root``. Raises ``CacheArtifactsRefusedError`` when the type is unknown
+    or the path leaves ``cache_root`` (absolute, ``..``, or through a symlink)."""
+    if artifact_type not in ARTIFACT_LANDING:
+        raise CacheArtifactsRefusedError(
+            f"Compile-cache artifact type {artifact_type!r} is not one whose location "
+            f"lightning_regions knows ({sorted(ARTIFACT_LANDING)}). Not loaded."
+        )
+    if not isinstance(key, str) or not key or "\0" in key or os.path.isabs(key):
+        raise CacheArtifactsRefusedError(
+            f"Compile-cache artifact key {key!r} ({artifact_type}) is not a relative path. "
+            "Not loaded."
+        )
+    root = os.path.realpath(cache_root)
+    landing = os.path.realpath(os.path.join(root, ARTIFACT_LANDING[artifact_type](key)))
+    if os.path.commonpath([root, landing]) != root or landing == root:
+        raise CacheArtifactsRefusedError(
+            f"Compile-cache artifact key {key!r} ({artifact_type}) would be written to "
+            f"{landing}, outside the cache directory {root}. Not loaded."
+        )
+    return landing
+
+
+def check_artifacts(artifacts: bytes, cache_root: str) -> Any:
     """Parse ``artifacts`` as torch does, without unpickling any content, and refuse
-    unregistered types and keys that are not a plain file name. Returns torch's parse."""
+    unregistered types and keys whose files would land outside ``cache_root``.
+    Returns torch's parse."""
     parsed = CacheArtifactManager.deserialize(artifacts)
     if parsed is None:
         raise CacheArtifactsRefusedError("Compile-cache artifacts are not in torch's format.")
@@ -97,17 +147,7 @@ def check_artifact_shapes(artifacts: bytes) -> Any:
                 f"({sorted(registered)})."
             )
         for entry in entries:
-            key = entry.key
-            if (
-                not isinstance(key, str)
-                or not SAFE_CACHE_KEY.fullmatch(key)
-                or ".." in key
-                or os.path.isabs(key)
-            ):
-                raise CacheArtifactsRefusedError(
-                    f"Compile-cache artifact key {key!r} ({artifact_type}) is not a plain file "
-                    "name; it would be written outside the cache directory. Not loaded."
-                )
+            artifact_landing(artifact_type, entry.key, cache_root)
     return parsed
 
 
@@ -146,49 +186,58 @@ def pack_artifacts(guard: dict[str, str]) -> dict[str, Any] | None:
 def unpack_artifacts(
     payload: dict[str, Any] | None, guard: dict[str, str], trust_unsigned: bool = False
 ) -> bool:
-    """Load ``payload``'s artifacts if this user signed them and the guard equals
-    ``guard``; otherwise warn once and load nothing (a cold start).
+    """Load ``payload``'s artifacts into inductor's cache directory if this user signed
+    them, the guard equals ``guard`` and every file lands inside that directory.
 
+    Anything else (not bytes, unsigned, foreign, another guard, an unknown type, a key
+    that escapes, torch failing to populate) gives one ``CacheArtifactsIgnoredWarning``
+    naming the cause and returns False: a cold start, never a stopped run.
     ``trust_unsigned=True`` also loads unsigned and foreign artifacts: they run code.
-    Signed or not, artifacts of a shape torch does not write raise
-    ``CacheArtifactsRefusedError`` before torch sees them.
     """
     if not payload:
         return False
     artifacts, signature = payload.get("artifacts"), payload.get("signature")
     if not isinstance(artifacts, bytes):
-        warnings.warn(
-            "Compile-cache artifacts in the checkpoint are not bytes; ignored (cold start).",
-            CacheArtifactsIgnoredWarning,
-            stacklevel=2,
-        )
-        return False
+        return _ignored("they are not bytes")
     saved_guard = payload.get("guard", {})
     if not trust_unsigned:
         expected = sign(saved_guard, artifacts) if isinstance(saved_guard, dict) else ""
         if not isinstance(signature, str) or not hmac.compare_digest(signature, expected):
             why = "unsigned" if signature is None else "not signed with this user's key"
-            warnings.warn(
-                f"Compile-cache artifacts in the checkpoint are {why}, so they were not "
-                f"loaded (cold start): loading them would run their code. Artifacts are "
+            return _ignored(
+                f"they are {why}, and loading them would run their code. Artifacts are "
                 f"trusted when signed with {key_path()} or ${KEY_ENVIRONMENT_VARIABLE}; "
-                "pass trust_unsigned_artifacts=True only for checkpoints you trust.",
-                CacheArtifactsIgnoredWarning,
-                stacklevel=2,
+                "pass trust_unsigned_artifacts=True only for checkpoints you trust"
             )
-            return False
     differences = [
         f"{key}: saved {saved_guard.get(key)!r}, now {value!r}"
         for key, value in guard.items()
         if saved_guard.get(key) != value
     ]
     if differences:
-        warnings.warn(
-            "Compile-cache artifacts in the checkpoint were ignored (cold start): "
-            + "; ".join(differences),
-            CacheArtifactsIgnoredWarning,
-            stacklevel=2,
-        )
-        return False
-    CacheArtifactManager.populate_caches(check_artifact_shapes(artifacts))
+        return _ignored("; ".join(differences))
+    try:
+        parsed = check_artifacts(artifacts, inductor_cache_dir())
+    except CacheArtifactsRefusedError as refused:
+        return _ignored(str(refused))  # checked whole first: nothing is half-loaded
+    try:
+        CacheArtifactManager.populate_caches(parsed)
+    except Exception as error:
+        return _ignored(f"torch failed to populate its caches: {type(error).__name__}: {error}")
     return True
+
+
+def inductor_cache_dir() -> str:
+    """The directory torch's ``populate_cache`` writes under (``TORCHINDUCTOR_CACHE_DIR``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def _ignored(cause: str) -> bool:
+    warnings.warn(
+        f"Compile-cache artifacts in the checkpoint were not loaded (cold start): {cause}.",
+        CacheArtifactsIgnoredWarning,
+        stacklevel=3,
+    )
+    return False

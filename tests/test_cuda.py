@@ -46,10 +46,20 @@ def test_inductor_regions_on_cuda_match_eager_outputs_and_gradients():
     assert not region_report(model).never_ran_compiled
 
 
+class DevicesDuringTraining(pl.Callback):
+    """Where the parameters are while training runs (teardown moves them back to the CPU)."""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.devices |= {p.device.type for p in pl_module.parameters()}
+
+
 def fit_on_gpu(tmp_path, strategy, **kwargs):
     from test_lightning import data, gpt
 
-    model, check = gpt(), TiedWeightsCheck()
+    model, check, devices = gpt(), TiedWeightsCheck(), DevicesDuringTraining()
     pl.Trainer(
         strategy=strategy,
         accelerator="gpu",
@@ -60,21 +70,21 @@ def fit_on_gpu(tmp_path, strategy, **kwargs):
         enable_checkpointing=False,
         enable_progress_bar=False,
         default_root_dir=tmp_path,
-        callbacks=[check],
+        callbacks=[check, devices],
         **kwargs,
     ).fit(model, data())
-    return model, check
+    return model, check, devices.devices
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_the_strategy_trains_on_a_gpu_with_the_tie_check(tmp_path, mode):
-    model, check = fit_on_gpu(tmp_path, RegionalCompileStrategy(mode=mode))
-    plain, _ = fit_on_gpu(tmp_path, "auto")
+    model, check, devices = fit_on_gpu(tmp_path, RegionalCompileStrategy(mode=mode))
+    plain, _, _ = fit_on_gpu(tmp_path, "auto")
     assert model.losses == pytest.approx(plain.losses, rel=1e-3)
     assert check.broken == []
     assert model.model.lm_head.weight is model.model.wte.weight
     assert not region_report(model).never_ran_compiled
-    assert next(model.parameters()).device.type == "cuda"
+    assert devices == {"cuda"}  # every parameter on the GPU in every training step
 
 
 def resume_run(tmp_path: Path, run: str, cache: str, steps: int, ckpt: Path | None) -> dict:
