@@ -12,7 +12,7 @@ require_torch_apis()  # before anything touches torch's private names
 
 from .cache import CacheArtifactsIgnoredWarning  # noqa: E402
 from .compile import compile_regions, end_observation  # noqa: E402
-from .fsdp import RegionalCompileFSDPStrategy  # noqa: E402
+from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy  # noqa: E402
 from .graph import ModuleGraph, snapshot  # noqa: E402
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions  # noqa: E402
 from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled  # noqa: E402
@@ -26,6 +26,7 @@ RegionalCompileFSDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "CacheArtifactsIgnoredWarning",
+    "FSDPMeshWarning",
     "ModuleGraph",
     "NoRepeatedBlocksWarning",
     "RecompileStormWarning",

@@ -25,12 +25,16 @@ from typing import Any, Literal
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from .regions import RegionPlan, find_regions
-from .sharding import mixed_precision_policy, shard_by_plan
+from .sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
 from .strategy import RegionalCompileMixin
+
+
+class FSDPMeshWarning(UserWarning):
+    """The model's FSDP2 mesh covers more processes than the data-parallel size."""
 
 
 class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
@@ -104,6 +108,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         self.shards_by_plan = False
         #: The FSDP groups the strategy made, each named by its module paths.
         self.sharded_groups: list[str] = []
+        self._mesh_checked = False
 
     def setup_environment(self) -> None:
         self.shards_by_plan = not is_overridden("configure_model", self.lightning_module)
@@ -134,6 +139,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
 
     def model_to_device(self) -> None:
         if not self.shards_by_plan:
+            self._warn_if_batches_repeat()
             super().model_to_device()  # the user sharded; compile after device placement
             return
         ModelParallelStrategy.model_to_device(self)
@@ -145,6 +151,26 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         else:
             self._shard(plan)
             self.compile_in_place(module, root_is_called=False, plan=plan)
+
+    def _warn_if_batches_repeat(self) -> None:
+        """Warn once when the user's FSDP2 groups shard over more processes than the
+        data-parallel size: processes that share a data-parallel rank get the same
+        batches, so part of every step is computed twice."""
+        if self._mesh_checked:
+            return
+        self._mesh_checked = True
+        sharded_over = fsdp_data_parallel_size(self.lightning_module)
+        data_parallel = self.device_mesh["data_parallel"].size()
+        if sharded_over is not None and sharded_over > data_parallel:
+            rank_zero_warn(
+                f"The model's FSDP2 groups shard over {sharded_over} processes, but the "
+                f"data-parallel size is {data_parallel} (data_parallel_size="
+                f"{self._data_parallel_size}, tensor_parallel_size={self._tensor_parallel_size}"
+                "), so processes with one data-parallel rank are fed the same batches. Pass "
+                f"data_parallel_size={sharded_over}, tensor_parallel_size=1 to the strategy, "
+                "or shard with fully_shard(..., mesh=self.device_mesh['data_parallel']).",
+                category=FSDPMeshWarning,
+            )
 
     def _shard(self, plan: RegionPlan) -> None:
         policy = mixed_precision_policy(self.precision_plugin.precision)

@@ -163,3 +163,23 @@ def _params_outside(
     for child in module._modules.values():
         if child is not None:
             yield from _params_outside(child, region_ids, visited)
+
+
+def fsdp_data_parallel_size(root: nn.Module) -> int | None:
+    """How many processes the FSDP2 groups under ``root`` shard (and replicate) over:
+    the largest ``shard_mesh_size * replicate_mesh_size`` of any group, or None when
+    nothing under ``root`` was sharded with ``fully_shard``."""
+    sizes = []
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.10: per-param meshes
+        if groups is None:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group else []
+        for group in groups:
+            info = group.mesh_info
+            sizes.append(
+                getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1)
+            )
+    return max(sizes, default=None)

@@ -61,6 +61,17 @@ class UserShardedGPT(GPTModule):
         fully_shard(self.model, **options)
 
 
+class DefaultMeshGPT(GPTModule):
+    """Sharded with fully_shard's default mesh (every process), as many users write it."""
+
+    def configure_model(self) -> None:
+        if isinstance(self.model, FSDPModule):
+            return
+        for block in dict.fromkeys(self.model.blocks):
+            fully_shard(block)
+        fully_shard(self.model)
+
+
 class UserShardedBF16GPT(UserShardedGPT):
     fsdp_options = {
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
@@ -171,7 +182,24 @@ def scenario_plain(out: Path) -> dict[str, Any]:
 def scenario_user(out: Path) -> dict[str, Any]:
     model = make(UserShardedGPT)
     strategy = regional(data_parallel_size=2, tensor_parallel_size=1)
-    return summary(model, fit(model, strategy, out, callbacks=[TiedWeightsCheck()]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = summary(model, fit(model, strategy, out, callbacks=[TiedWeightsCheck()]))
+    result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return result
+
+
+def scenario_default_mesh(out: Path) -> dict[str, Any]:
+    """Strategy defaults (data-parallel size 1 on one node) with the default FSDP2 mesh."""
+    model = make(DefaultMeshGPT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, regional(), out, limit_val_batches=1, num_sanity_val_steps=0)
+        trainer.validate(model, data(), verbose=False)  # setup() again: no second warning
+    return {
+        "losses": list(model.losses),
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+    }
 
 
 def scenario_auto(out: Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ SCRIPT = Path(__file__).parent / "fsdp_run.py"
 TWO_PROCESS_SCENARIOS = [
     "plain",
     "user",
+    "default_mesh",
     "auto",
     "albert_plain",
     "albert_auto",
@@ -87,6 +88,20 @@ def test_user_sharded_run_compiles_regions_and_equals_plain_fsdp2(runs):
         assert_sharded_compiled(rank)
         assert rank["sharded_groups"] == []  # configure_model() sharded, not the strategy
     assert not plain[0]["compiled"] and plain[0]["graphs"] == 0
+    assert not any("FSDPMeshWarning" in w for rank in user for w in rank["warnings"])
+
+
+@pytest.mark.ddp
+def test_a_default_fsdp2_mesh_wider_than_data_parallel_warns_once_with_the_fix(runs):
+    """Lightning's defaults on one node give data-parallel size 1, while fully_shard's
+    default mesh shards over both processes: both are fed the same batches."""
+    rank0, rank1 = ranks(runs, "default_mesh")
+    assert rank0["losses"] == rank1["losses"]  # the same batches on both processes: the trap
+    mesh_warnings = [w for w in rank0["warnings"] if w.startswith("FSDPMeshWarning")]
+    assert len(mesh_warnings) == 1  # at setup, not again for validate()
+    assert "shard over 2 processes, but the data-parallel size is 1" in mesh_warnings[0]
+    assert "data_parallel_size=2, tensor_parallel_size=1" in mesh_warnings[0]
+    assert not any(w.startswith("FSDPMeshWarning") for w in rank1["warnings"])  # rank zero
 
 
 @pytest.mark.ddp
