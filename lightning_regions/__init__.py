@@ -15,7 +15,14 @@ from .compile import compile_regions, end_observation  # noqa: E402
 from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy  # noqa: E402
 from .graph import ModuleGraph, snapshot  # noqa: E402
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions  # noqa: E402
-from .report import RegionNotCompiledWarning, RegionReport, region_report, warn_if_not_compiled  # noqa: E402
+from .report import (  # noqa: E402
+    PerInstanceRecompileWarning,
+    RegionNotCompiledWarning,
+    RegionReport,
+    region_report,
+    warn_if_not_compiled,
+    warn_per_instance_recompiles,
+)
 from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register  # noqa: E402
 from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError  # noqa: E402
 from .tracking import RegionCompileError, RegionCompileWarning  # noqa: E402
@@ -29,6 +36,7 @@ __all__ = [
     "FSDPMeshWarning",
     "ModuleGraph",
     "NoRepeatedBlocksWarning",
+    "PerInstanceRecompileWarning",
     "RecompileStormWarning",
     "Region",
     "RegionCompileError",
@@ -48,4 +56,5 @@ __all__ = [
     "region_report",
     "snapshot",
     "warn_if_not_compiled",
+    "warn_per_instance_recompiles",
 ]

@@ -32,7 +32,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
 
     Args:
         backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
-            recompile_warn_threshold, cache_dir: as for the Trainer's
+            recompile_warn_threshold, cache_dir, disable_training_kv_cache,
+            unspecialize_module_ints: as for the Trainer's
             ``lightning_regions.RegionalCompileStrategy``; ``cache_dir=True`` is
             ``./compile_cache``.
         **kwargs: the Fabric strategy's own arguments.
@@ -53,6 +54,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
         on_compile_error: Literal["raise", "eager"] = "raise",
         recompile_warn_threshold: int | None = 8,
         cache_dir: str | bool = True,
+        disable_training_kv_cache: bool = True,
+        unspecialize_module_ints: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -66,6 +69,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
             on_compile_error,
             recompile_warn_threshold,
             cache_dir,
+            disable_training_kv_cache=disable_training_kv_cache,
+            unspecialize_module_ints=unspecialize_module_ints,
         )
 
     def setup_module(self, module: nn.Module) -> Any:

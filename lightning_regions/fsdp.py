@@ -42,7 +42,8 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
 
     Args:
         backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
-            recompile_warn_threshold, cache_dir, trust_unsigned_artifacts: as for
+            recompile_warn_threshold, cache_dir, trust_unsigned_artifacts,
+            disable_training_kv_cache, unspecialize_module_ints: as for
             ``RegionalCompileStrategy``. Each process keeps its own compile caches.
         reshard_after_forward: when the strategy shards, free each group's gathered
             parameters after its forward (``fully_shard``'s own argument; ``False``
@@ -76,6 +77,8 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         recompile_warn_threshold: int | None = 8,
         cache_dir: str | bool = True,
         trust_unsigned_artifacts: bool = False,
+        disable_training_kv_cache: bool = True,
+        unspecialize_module_ints: bool = True,
         reshard_after_forward: bool = True,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
@@ -101,6 +104,8 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
             recompile_warn_threshold,
             cache_dir,
             trust_unsigned_artifacts,
+            disable_training_kv_cache,
+            unspecialize_module_ints,
         )
         self.reshard_after_forward = reshard_after_forward
         #: Set in ``setup_environment``: True when the LightningModule has no

@@ -7,17 +7,28 @@ strategy logs.
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 
 from torch import nn
 
 from .compile import tracker_of
-from .watch import ClassRecompiles, graph_breaks
+from .watch import ClassRecompiles, Guard, graph_breaks, parse_guard
 
 
 class RegionNotCompiledWarning(UserWarning):
     """A region was meant to run compiled but no compiled call of it was seen."""
+
+
+class PerInstanceRecompileWarning(UserWarning):
+    """Instances of one block class compiled graphs of their own: a guard differs per instance."""
+
+
+#: More instances of one class than this compiling their own graph is a per-instance
+#: recompile. Two is what one legitimate extra graph costs: a sanity check's eval graph,
+#: or torch turning a per-instance int dynamic on its first change (static, then symbolic).
+PER_INSTANCE_ALLOWANCE = 2
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,33 @@ class RegionRow:
 
 
 @dataclass(frozen=True)
+class PerInstanceRecompiles:
+    """One block class whose instances compiled graphs of their own, and why."""
+
+    class_name: str
+    instances: int
+    instances_compiled: int
+    instances_eager: int
+    graphs: int
+    limit_hits: int
+    guards: tuple[Guard, ...]
+    fix: str
+
+    def __str__(self) -> str:
+        eager = (
+            f", {self.instances_eager} left eager (recompile-limit hits {self.limit_hits})"
+            if self.instances_eager or self.limit_hits
+            else ""
+        )
+        guards = "; ".join(str(guard) for guard in self.guards) or "not recorded by torch"
+        return (
+            f"{self.class_name}: {self.graphs} graph(s) from {self.instances_compiled} of "
+            f"{self.instances} instances{eager}. Guard that differs per instance: {guards}. "
+            f"Fix: {self.fix}"
+        )
+
+
+@dataclass(frozen=True)
 class RegionReport:
     """Regions with their counts, plus the aliases and ties of the compiled model."""
 
@@ -42,6 +80,7 @@ class RegionReport:
     whole_model: bool
     recompiles: tuple[ClassRecompiles, ...] = ()
     graph_breaks: int = 0
+    per_instance: tuple[PerInstanceRecompiles, ...] = ()
 
     @property
     def graphs(self) -> int:
@@ -84,8 +123,11 @@ class RegionReport:
             if entry.recompiles or entry.limit_hits:
                 lines.append(
                     f"  recompiles of {entry.class_name}: {entry.recompiles} "
-                    f"(recompile-limit hits {entry.limit_hits}); last reason: {entry.reasons[-1]}"
+                    f"(recompile-limit hits {entry.limit_hits}); last guard: "
+                    f"{parse_guard(entry.reasons[-1]) if entry.reasons else 'none recorded'}"
                 )
+        for entry in self.per_instance:
+            lines.append(f"  PER-INSTANCE RECOMPILES: {entry}")
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
@@ -118,14 +160,103 @@ def region_report(model: nn.Module) -> RegionReport:
         )
         for region, stats in zip(plan.regions, tracker.stats, strict=True)
     )
+    recompiles = tuple(tracker.watch.refresh())
     return RegionReport(
         rows=rows,
         alias_groups=tuple(plan.graph.own_alias_groups()),
         tie_groups=tuple(plan.graph.own_tie_groups()),
         whole_model=plan.whole_model,
-        recompiles=tuple(tracker.watch.refresh()),
+        recompiles=recompiles,
         graph_breaks=graph_breaks(),
+        per_instance=per_instance_recompiles(rows, recompiles),
     )
+
+
+def per_instance_recompiles(
+    rows: tuple[RegionRow, ...], recompiles: tuple[ClassRecompiles, ...]
+) -> tuple[PerInstanceRecompiles, ...]:
+    """Block classes whose instances compiled graphs of their own beyond the allowance,
+    or hit the recompile limit, for a reason other than a tensor input's metadata;
+    with the guards that differed (dynamo's recompile reasons) and the fix for each."""
+    by_class: dict[str, list[RegionRow]] = {}
+    for row in rows:
+        by_class.setdefault(row.class_name, []).append(row)
+    reasons = {entry.class_name: entry for entry in recompiles}
+    found = []
+    for class_name, class_rows in by_class.items():
+        entry = reasons.get(class_name)
+        guards = _distinct_guards(entry.reasons if entry else [])
+        compiled = [row for row in class_rows if row.graphs > 0]
+        limit_hits = entry.limit_hits if entry else 0
+        if not guards or (len(compiled) <= PER_INSTANCE_ALLOWANCE and not limit_hits):
+            continue
+        found.append(
+            PerInstanceRecompiles(
+                class_name=class_name,
+                instances=len(class_rows),
+                instances_compiled=len(compiled),
+                instances_eager=sum(
+                    1 for row in class_rows if row.observed_calls and not row.compiled_calls
+                ),
+                graphs=sum(row.graphs for row in class_rows),
+                limit_hits=limit_hits,
+                guards=guards,
+                fix=fix_for(guards[0]),
+            )
+        )
+    return tuple(found)
+
+
+def _distinct_guards(reasons: list[str]) -> tuple[Guard, ...]:
+    """Guards not on a tensor input, one per shape (``layers[7]`` and ``layers[6]`` are one)."""
+    distinct: dict[str, Guard] = {}
+    for reason in reasons:
+        guard = parse_guard(reason)
+        if guard.expression and not guard.on_input_tensor:
+            distinct.setdefault(re.sub(r"\d+", "N", guard.expression), guard)
+    return tuple(distinct.values())
+
+
+def fix_for(guard: Guard) -> str:
+    """What removes a per-instance guard of this kind."""
+    text = f"{guard.expression} {guard.source} {guard.location}"
+    if "cache_utils" in text or "past_key_value" in text or "use_cache" in text:
+        return (
+            "a transformers KV cache is built in training (config.use_cache=True) and each "
+            "layer indexes it by its layer_idx. The strategies turn it off in training steps "
+            "(disable_training_kv_cache=True, the default); elsewhere pass use_cache=False."
+        )
+    if "___check_type_id" in text or "___check_obj_id" in text:
+        return (
+            "an attribute whose object or class differs per instance; give every instance "
+            "the same object and class, or choose outside forward."
+        )
+    if re.fullmatch(r"self(\.\w+)+ == -?\d+", guard.expression):
+        return (
+            "a per-instance int attribute. unspecialize_module_ints=True (the strategies' "
+            "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
+            "symbolic int after the first change; or store it as a tensor buffer."
+        )
+    if re.fullmatch(r"self(\.\w+)+ == -?[\d.e+-]+", guard.expression):
+        return (
+            "a per-instance float attribute, specialised because "
+            "torch._dynamo.config.specialize_float is True; set it False (torch's default) "
+            "or store the value as a tensor buffer."
+        )
+    return (
+        "make the attribute the guard reads the same on every instance, or pass it to "
+        "forward as a tensor."
+    )
+
+
+def warn_per_instance_recompiles(report: RegionReport) -> None:
+    """Warn, naming the class, the guard and the fix, for each per-instance recompile."""
+    for entry in report.per_instance:
+        warnings.warn(
+            f"Regional compile recompiles per instance: {entry}",
+            PerInstanceRecompileWarning,
+            stacklevel=2,
+        )
 
 
 def warn_if_not_compiled(report: RegionReport) -> None:

@@ -33,12 +33,15 @@ from .compile import (
     validate_compile_arguments,
     validate_on_compile_error,
 )
+from .kv_cache import disable_kv_cache_in_training, restore_kv_cache
 from .regions import RegionPlan, Selectors
 from .report import (
+    PerInstanceRecompileWarning,
     RegionNotCompiledWarning,
     RegionReport,
     region_report,
     warn_if_not_compiled,
+    warn_per_instance_recompiles,
 )
 
 #: The run's compile cache, relative to ``Trainer(default_root_dir=...)``.
@@ -62,6 +65,8 @@ class RegionalCompileBase:
         recompile_warn_threshold: int | None,
         cache_dir: str | bool,
         trust_unsigned_artifacts: bool = False,
+        disable_training_kv_cache: bool = True,
+        unspecialize_module_ints: bool = True,
     ) -> None:
         validate_compile_arguments(backend, mode, options)
         validate_on_compile_error(on_compile_error)
@@ -82,6 +87,10 @@ class RegionalCompileBase:
         self.recompile_warn_threshold = recompile_warn_threshold
         self.cache_dir = cache_dir
         self.trust_unsigned_artifacts = trust_unsigned_artifacts
+        self.disable_training_kv_cache = disable_training_kv_cache
+        self.unspecialize_module_ints = unspecialize_module_ints
+        self._module_ints_patch: Any = None
+        self._kv_cache_module: Any = None
         self._previous_cache_dir: str | None = None
         self._cache_dir_entered = False
         self._runtime_reported = False
@@ -113,6 +122,29 @@ class RegionalCompileBase:
         if self._cache_dir_entered:
             restore_cache_dir(self._previous_cache_dir)
             self._cache_dir_entered = False
+        if self._module_ints_patch is not None:
+            self._module_ints_patch.__exit__(None, None, None)
+            self._module_ints_patch = None
+        if self._kv_cache_module is not None:
+            restore_kv_cache(self._kv_cache_module)
+            self._kv_cache_module = None
+
+    def _prepare_for_one_graph_per_class(self, module: Any) -> None:
+        """Remove the common per-instance recompiles before anything compiles: a transformers
+        KV cache built in training steps, and per-instance int attributes (torch's
+        ``allow_unspec_int_on_nn_module``, set while this strategy is set up)."""
+        if self.disable_training_kv_cache:
+            models = disable_kv_cache_in_training(module)
+            if models:
+                self._kv_cache_module = module
+                rank_zero_info(
+                    "regional compile: transformers KV cache off in training steps (never "
+                    f"read there; it recompiles each layer) for {', '.join(models)}; "
+                    "evaluation and generate() keep it. disable_training_kv_cache=False keeps it."
+                )
+        if self.unspecialize_module_ints and self._module_ints_patch is None:
+            self._module_ints_patch = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+            self._module_ints_patch.__enter__()
 
     def compile_in_place(
         self, module: Any, root_is_called: bool, plan: RegionPlan | None = None
@@ -120,6 +152,7 @@ class RegionalCompileBase:
         """Compile ``module``'s regions in place (by ``plan`` when given) and log them."""
         _refuse_whole_model_compile(module)
         self._enter_cache_dir()
+        self._prepare_for_one_graph_per_class(module)
         compile_regions(
             module,
             inplace=True,
@@ -145,6 +178,8 @@ class RegionalCompileBase:
             rank_zero_info(runtime_summary(report))
             with warnings.catch_warnings():
                 warnings.simplefilter("always", RegionNotCompiledWarning)
+                warnings.simplefilter("always", PerInstanceRecompileWarning)
+                warn_per_instance_recompiles(report)
                 warn_if_not_compiled(report)
 
 
@@ -237,6 +272,12 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             a path, or ``False`` for torch's default. Checkpoints also carry the artifacts.
         trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
             with this user's key. They run code when loaded: only for checkpoints you trust.
+        disable_training_kv_cache: pass ``use_cache=False`` to transformers models in
+            training steps (train mode, gradients on, ``use_cache`` not passed): the cache
+            is never read there, and each layer indexing it recompiles the block.
+        unspecialize_module_ints: compile per-instance int attributes (a layer index) as
+            symbolic ints after their first change (torch's
+            ``allow_unspec_int_on_nn_module``, set while the strategy is set up).
         accelerator: passed to ``SingleDeviceStrategy``.
         checkpoint_io: passed to ``SingleDeviceStrategy``.
         precision_plugin: passed to ``SingleDeviceStrategy``.
@@ -259,6 +300,8 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         recompile_warn_threshold: int | None = 8,
         cache_dir: str | bool = True,
         trust_unsigned_artifacts: bool = False,
+        disable_training_kv_cache: bool = True,
+        unspecialize_module_ints: bool = True,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -280,6 +323,8 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             recompile_warn_threshold,
             cache_dir,
             trust_unsigned_artifacts,
+            disable_training_kv_cache,
+            unspecialize_module_ints,
         )
         self._device_from_trainer: torch.device | None = None
 
@@ -328,6 +373,8 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         cache_dir: as for ``RegionalCompileStrategy``.
         trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
             with this user's key. They run code when loaded: only for checkpoints you trust.
+        disable_training_kv_cache, unspecialize_module_ints: as for
+            ``RegionalCompileStrategy``.
         **kwargs: every ``DDPStrategy`` argument (``process_group_backend``,
             ``start_method``, ``find_unused_parameters``...).
     """
@@ -346,6 +393,8 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         recompile_warn_threshold: int | None = 8,
         cache_dir: str | bool = True,
         trust_unsigned_artifacts: bool = False,
+        disable_training_kv_cache: bool = True,
+        unspecialize_module_ints: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -360,6 +409,8 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
             recompile_warn_threshold,
             cache_dir,
             trust_unsigned_artifacts,
+            disable_training_kv_cache,
+            unspecialize_module_ints,
         )
 
     @classmethod

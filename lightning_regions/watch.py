@@ -11,6 +11,7 @@ block class. ``RecompileWatch`` keeps a running tally, since torch keeps only th
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 from types import CodeType
@@ -119,6 +120,36 @@ class RecompileWatch:
                     stacklevel=2,
                 )
         return stormy
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One guard failure from a dynamo recompile reason: what was checked, the source
+    line that made the guard, and where that line is."""
+
+    expression: str
+    source: str = ""
+    location: str = ""
+
+    @property
+    def on_input_tensor(self) -> bool:
+        """A tensor input's metadata (requires_grad, size, stride, dtype), not an instance's."""
+        return self.expression.startswith("tensor '")
+
+    def __str__(self) -> str:
+        where = f" at {self.location}" if self.location else ""
+        line = f" ({self.source})" if self.source else ""
+        return f"`{self.expression}`{where}{line}"
+
+
+def parse_guard(reason: str) -> Guard:
+    """The first guard failure of a ``recompile_reason``: ``"0/7: <guard>  # <source line>
+    # <file>:<line> in <function> (HINT...)"``, as torch 2.13 writes it."""
+    first = reason.strip().splitlines()[0] if reason.strip() else ""
+    first = re.sub(r"^\d+/\d+: ", "", first)
+    parts = [part.strip() for part in first.split("  # ")]
+    location = re.sub(r"\s*\(HINT:.*$", "", parts[2]) if len(parts) > 2 else ""
+    return Guard(parts[0], parts[1] if len(parts) > 1 else "", location)
 
 
 #: How dynamo names a backend exception it turned into a graph break in its counters.

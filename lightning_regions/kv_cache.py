@@ -1,0 +1,88 @@
+"""transformers' KV cache, kept off where nothing asked for it.
+
+A transformers model (a ``PreTrainedModel``) whose config says ``use_cache=True`` builds
+a ``DynamicCache`` in every forward, training and validation included, although a
+training or validation step never reads it. Each layer then updates the cache through
+its own ``layer_idx``, so the layer's compiled graph guards on that index and a repeated
+block recompiles once per layer until dynamo's recompile limit leaves the rest eager
+(GPT-2 and Llama at 12 layers: 8 graphs and 4 layers eager, in training and again in
+the validation sanity check).
+
+``disable_kv_cache_in_training`` registers a forward pre-hook on each outermost
+``PreTrainedModel`` that passes ``use_cache=False`` when the caller did not pass
+``use_cache`` itself. ``generate()`` always passes it (``model_kwargs["use_cache"]``),
+so generation keeps the cache; so does any call with ``use_cache=True``. The config is
+not changed, and the strategies remove the hook at teardown. The returned cache is the
+only difference, so losses and logits are unchanged.
+
+Plain torch: transformers is recognised by class name and not imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+#: Set on a model whose hook is registered, so a second setup adds none.
+HOOK_ATTRIBUTE = "_lightning_regions_kv_cache_hook"
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (found in the class's bases, not imported)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+        for cls in type(module).__mro__
+    )
+
+
+def _use_cache_position(module: nn.Module) -> int | None:
+    """Where ``use_cache`` sits among ``forward``'s positional parameters, or None when
+    ``forward`` takes no ``use_cache``."""
+    parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    for position, parameter in enumerate(parameters):
+        if parameter.name == "use_cache":
+            return position
+    return None
+
+
+def disable_kv_cache_in_training(root: nn.Module) -> list[str]:
+    """Register the ``use_cache=False``-unless-asked hook on each outermost transformers
+    model under ``root`` whose config turns the cache on; return their paths."""
+    changed = []
+    inside_model: set[int] = set()
+    for path, module in root.named_modules(remove_duplicate=True):
+        if id(module) in inside_model or not is_transformers_model(module):
+            continue
+        inside_model.update(id(m) for m in module.modules())
+        position = _use_cache_position(module)
+        config = getattr(module, "config", None)
+        if position is None or not getattr(config, "use_cache", False):
+            continue
+        if getattr(module, HOOK_ATTRIBUTE, None) is None:
+            handle = module.register_forward_pre_hook(
+                _training_without_cache(position), with_kwargs=True
+            )
+            module.__dict__[HOOK_ATTRIBUTE] = handle
+        changed.append(path)
+    return changed
+
+
+def _training_without_cache(position: int) -> Any:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if "use_cache" in kwargs or len(args) > position:
+            return None  # the caller chose
+        return args, {**kwargs, "use_cache": False}
+
+    return hook
+
+
+def restore_kv_cache(root: nn.Module) -> None:
+    """Remove the hooks ``disable_kv_cache_in_training`` registered under ``root``."""
+    for module in root.modules():
+        handle = module.__dict__.pop(HOOK_ATTRIBUTE, None)
+        if handle is not None:
+            handle.remove()

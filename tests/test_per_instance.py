@@ -1,0 +1,301 @@
+"""One graph per block class on real decoders at depth: per-instance recompiles found,
+explained and removed.
+
+transformers' GPT-2 and Llama at 12 layers (config defaults, tiny widths) trained as
+people write it, ``model(input_ids=x, labels=x).loss``, against plain Lightning; and
+synthetic blocks whose per-layer attribute makes dynamo guard on the instance.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from lightning_regions import (
+    PerInstanceRecompileWarning,
+    RegionalCompileStrategy,
+    RegionNotCompiledWarning,
+    region_report,
+)
+from lightning_regions.kv_cache import disable_kv_cache_in_training, restore_kv_cache
+from lightning_regions.watch import parse_guard
+
+DEPTH = 12
+VOCAB = 64
+STEPS = 3
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=DEPTH,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=DEPTH,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class CausalLM(pl.LightningModule):
+    """A transformers decoder trained as its docs show."""
+
+    def __init__(self, build) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = build()
+        self.losses: list[float] = []
+        self.cache_in_validation: list[bool] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        output = self.model(input_ids=batch)
+        self.cache_in_validation.append(output.past_key_values is not None)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def tokens() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(
+        torch.randint(0, VOCAB, (16, 16), generator=generator), batch_size=4
+    )
+
+
+def trainer(tmp_path, strategy, validate: bool = False) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        limit_val_batches=1 if validate else 0,
+        num_sanity_val_steps=1 if validate else 0,
+        check_val_every_n_epoch=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+
+
+def fit(tmp_path, module: pl.LightningModule, strategy) -> pl.LightningModule:
+    torch.manual_seed(1)  # GPT-2's dropout draws the same masks in both runs
+    trainer(tmp_path, strategy, validate=True).fit(module, tokens(), tokens())
+    return module
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_real_decoders_at_depth_compile_one_graph_per_mode_and_equal_plain(tmp_path, build):
+    ours = CausalLM(build)
+    plain = CausalLM(build)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerInstanceRecompileWarning)
+        warnings.simplefilter("error", RegionNotCompiledWarning)
+        fit(tmp_path, ours, RegionalCompileStrategy(backend="aot_eager"))
+    fit(tmp_path, plain, "auto")
+    report = region_report(ours)
+    assert len(report.rows) == DEPTH
+    assert report.graphs <= 2  # the sanity check's eval graph and the training graph
+    assert not report.never_ran_compiled and not report.per_instance
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert ours.cache_in_validation == [False]  # not asked for: off, so one eval graph
+    assert plain.cache_in_validation == [True]
+    assert not ours.model._forward_pre_hooks  # teardown took the training hook off
+    assert not torch._dynamo.config.allow_unspec_int_on_nn_module  # and torch's flag back
+
+
+def test_with_the_training_cache_kept_the_per_layer_guard_is_named_at_the_first_step(tmp_path):
+    """Before: the cache on in training, as transformers defaults it."""
+    model = CausalLM(gpt2)
+    strategy = RegionalCompileStrategy(backend="aot_eager", disable_training_kv_cache=False)
+    with pytest.warns(PerInstanceRecompileWarning, match="is_initialized") as caught:
+        fit(tmp_path, model, strategy)
+    message = str(next(w.message for w in caught if w.category is PerInstanceRecompileWarning))
+    assert "GPT2Block: 8 graph(s) from 8 of 12 instances, 4 left eager" in message
+    assert "cache_utils.py" in message and "disable_training_kv_cache=True" in message
+    (entry,) = region_report(model).per_instance
+    assert entry.instances_eager == 4 and entry.limit_hits == 1
+    assert "PER-INSTANCE RECOMPILES: GPT2Block" in str(region_report(model))
+
+
+def test_the_hook_turns_the_cache_off_unless_the_caller_asks_for_it():
+    torch.manual_seed(0)
+    model, ids = gpt2().eval(), torch.randint(0, VOCAB, (2, 8))
+    expected = model(input_ids=ids).logits
+    assert disable_kv_cache_in_training(nn.ModuleDict({"lm": model})) == ["lm"]
+    assert disable_kv_cache_in_training(model) == [""]  # a second call adds no hook
+    assert len(model._forward_pre_hooks) == 1
+    for mode in (model.train, model.eval):
+        mode()
+        assert model(input_ids=ids).past_key_values is None
+        assert model(input_ids=ids, use_cache=True).past_key_values is not None  # caller chose
+    torch.testing.assert_close(model(input_ids=ids).logits, expected)  # only the cache differs
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False)  # passes use_cache
+    restore_kv_cache(model)
+    assert not model._forward_pre_hooks and model.config.use_cache
+    assert torch.equal(generated, model.generate(ids, max_new_tokens=3, do_sample=False))
+    assert model(input_ids=ids).past_key_values is not None
+
+
+# Synthetic blocks: a per-layer attribute read in forward.
+
+
+class DropPathBlock(nn.Module):
+    """A stochastic-depth schedule: each layer's own float rate, scaling its branch."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.drop_prob = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(x) * (1.0 - self.drop_prob)
+
+
+class LayerIndexBlock(nn.Module):
+    """Each layer's int index, read in forward."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layer_idx = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(x) / (self.layer_idx + 1)
+
+
+def activation_of_its_own_class(index: int):
+    """A per-instance callable whose class differs per layer (a factory per layer)."""
+    return type(f"Activation{index}", (), {"__call__": lambda self, t: torch.tanh(t)})()
+
+
+class CallableBlock(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.activation = activation_of_its_own_class(index)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.activation(self.proj(x))
+
+
+class Stack(pl.LightningModule):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(blocks)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch)
+        for block in self.blocks:
+            x = block(x)
+        loss = x.pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def vectors() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.randn(16, 8, generator=torch.Generator()), 4)
+
+
+def seeded_stack(blocks) -> Stack:
+    torch.manual_seed(0)
+    return Stack(blocks())
+
+
+def fit_stack(tmp_path, blocks, **strategy_kwargs) -> tuple[Stack, list[str]]:
+    model, plain = seeded_stack(blocks), seeded_stack(blocks)
+    strategy = RegionalCompileStrategy(backend="aot_eager", **strategy_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, strategy).fit(model, vectors())
+    trainer(tmp_path, "auto").fit(plain, vectors())
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+    per_instance = [
+        str(w.message) for w in caught if issubclass(w.category, PerInstanceRecompileWarning)
+    ]
+    return model, per_instance
+
+
+def test_a_drop_path_float_schedule_compiles_once_as_a_symbolic_float(tmp_path):
+    model, warned = fit_stack(tmp_path, lambda: [DropPathBlock(0.1 * i / 11) for i in range(12)])
+    report = region_report(model)
+    # torch specialises the first value, then compiles it symbolic on the first change
+    assert report.graphs == 2 and not report.never_ran_compiled and not warned
+    assert sum(row.graphs > 0 for row in report.rows) == 2
+
+
+def test_a_specialised_float_schedule_is_reported_by_its_guard(tmp_path):
+    with torch._dynamo.config.patch(specialize_float=True):
+        _, warned = fit_stack(tmp_path, lambda: [DropPathBlock(0.1 * i / 11) for i in range(12)])
+    (message,) = warned
+    assert "DropPathBlock: 8 graph(s) from 8 of 12 instances, 4 left eager" in message
+    assert "`self.drop_prob == 0.0`" in message and "test_per_instance.py" in message
+    assert "specialize_float" in message
+
+
+def test_a_per_layer_int_compiles_once_as_a_symbolic_int(tmp_path):
+    model, warned = fit_stack(tmp_path, lambda: [LayerIndexBlock(i) for i in range(12)])
+    report = region_report(model)
+    assert (
+        report.graphs == 2 and not report.never_ran_compiled and not warned
+    )  # static, then symbolic
+
+
+def test_a_per_layer_int_without_the_flag_is_reported_with_the_fix(tmp_path):
+    _, warned = fit_stack(
+        tmp_path, lambda: [LayerIndexBlock(i) for i in range(12)], unspecialize_module_ints=False
+    )
+    (message,) = warned
+    assert "LayerIndexBlock: 8 graph(s) from 8 of 12 instances, 4 left eager" in message
+    assert "`self.layer_idx == 0`" in message and "unspecialize_module_ints=True" in message
+
+
+def test_a_per_instance_callable_class_is_reported_by_its_guard(tmp_path):
+    model, warned = fit_stack(tmp_path, lambda: [CallableBlock(i) for i in range(12)])
+    (message,) = warned
+    assert "CallableBlock: 8 graph(s) from 8 of 12 instances, 4 left eager" in message
+    assert "___check_type_id(self.activation" in message
+    assert "the same object and class" in message
+    assert len(region_report(model).never_ran_compiled) == 4
+
+
+def test_recompile_reasons_parse_into_guard_source_and_location():
+    reason = (
+        "0/7: self.layer_idx == 7            # return x * self.layer_idx  # a/b.py:14 in "
+        "forward (HINT: torch.compile considers integer attributes ...)\nUser stack trace:\n"
+    )
+    guard = parse_guard(reason)
+    assert guard.expression == "self.layer_idx == 7"
+    assert guard.source == "return x * self.layer_idx"
+    assert guard.location == "a/b.py:14 in forward"
+    assert parse_guard("0/1: tensor 'x' requires_grad mismatch").on_input_tensor
