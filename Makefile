@@ -32,6 +32,7 @@ bench: install
 	$(PY) benchmarks/warm_start.py
 	$(PY) benchmarks/steady_state.py
 	$(PY) benchmarks/fsdp.py
+	$(PY) benchmarks/real_model.py
 
 # On a GPU machine: its own python3 and this source tree, nothing installed. Here the
 # venv's python, which finds no GPU and says so.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -46,6 +47,31 @@ from .report import (
 
 #: The run's compile cache, relative to ``Trainer(default_root_dir=...)``.
 DEFAULT_CACHE_SUBDIR = "compile_cache"
+
+
+class UnspecializedModuleInts:
+    """torch's ``allow_unspec_int_on_nn_module``, on while any strategy holds it.
+
+    A process-wide dynamo flag read whenever a frame compiles, so it stays on from setup
+    to teardown. Counted, so that two strategies set up in one process restore the
+    user's own value only when the last one lets go, whatever the order.
+    """
+
+    holders = 0
+    previous = False
+
+    @classmethod
+    def acquire(cls) -> None:
+        if cls.holders == 0:
+            cls.previous = torch._dynamo.config.allow_unspec_int_on_nn_module
+            torch._dynamo.config.allow_unspec_int_on_nn_module = True
+        cls.holders += 1
+
+    @classmethod
+    def release(cls) -> None:
+        cls.holders -= 1
+        if cls.holders == 0:
+            torch._dynamo.config.allow_unspec_int_on_nn_module = cls.previous
 
 
 class RegionalCompileBase:
@@ -89,7 +115,7 @@ class RegionalCompileBase:
         self.trust_unsigned_artifacts = trust_unsigned_artifacts
         self.disable_training_kv_cache = disable_training_kv_cache
         self.unspecialize_module_ints = unspecialize_module_ints
-        self._module_ints_patch: Any = None
+        self._module_ints_release: weakref.finalize | None = None
         self._kv_cache_module: Any = None
         self._previous_cache_dir: str | None = None
         self._cache_dir_entered = False
@@ -122,9 +148,9 @@ class RegionalCompileBase:
         if self._cache_dir_entered:
             restore_cache_dir(self._previous_cache_dir)
             self._cache_dir_entered = False
-        if self._module_ints_patch is not None:
-            self._module_ints_patch.__exit__(None, None, None)
-            self._module_ints_patch = None
+        if self._module_ints_release is not None:
+            self._module_ints_release()  # once; a weakref.finalize does nothing the second time
+            self._module_ints_release = None
         if self._kv_cache_module is not None:
             restore_kv_cache(self._kv_cache_module)
             self._kv_cache_module = None
@@ -142,9 +168,10 @@ class RegionalCompileBase:
                     f"read there; it recompiles each layer) for {', '.join(models)}; "
                     "evaluation and generate() keep it. disable_training_kv_cache=False keeps it."
                 )
-        if self.unspecialize_module_ints and self._module_ints_patch is None:
-            self._module_ints_patch = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
-            self._module_ints_patch.__enter__()
+        if self.unspecialize_module_ints and self._module_ints_release is None:
+            # Released at teardown, or when the module is collected (Fabric has no teardown).
+            UnspecializedModuleInts.acquire()
+            self._module_ints_release = weakref.finalize(module, UnspecializedModuleInts.release)
 
     def compile_in_place(
         self, module: Any, root_is_called: bool, plan: RegionPlan | None = None

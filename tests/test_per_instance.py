@@ -299,3 +299,15 @@ def test_recompile_reasons_parse_into_guard_source_and_location():
     assert guard.source == "return x * self.layer_idx"
     assert guard.location == "a/b.py:14 in forward"
     assert parse_guard("0/1: tensor 'x' requires_grad mismatch").on_input_tensor
+
+
+def test_the_int_flag_is_restored_when_the_last_holder_lets_go():
+    from lightning_regions.strategy import UnspecializedModuleInts
+
+    assert not torch._dynamo.config.allow_unspec_int_on_nn_module
+    UnspecializedModuleInts.acquire()
+    UnspecializedModuleInts.acquire()  # a second strategy in the same process
+    UnspecializedModuleInts.release()
+    assert torch._dynamo.config.allow_unspec_int_on_nn_module  # the other one still holds it
+    UnspecializedModuleInts.release()
+    assert not torch._dynamo.config.allow_unspec_int_on_nn_module
