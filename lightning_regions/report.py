@@ -25,10 +25,10 @@ class PerInstanceRecompileWarning(UserWarning):
     """Instances of one block class compiled graphs of their own: a guard differs per instance."""
 
 
-#: More instances of one class than this compiling their own graph is a per-instance
-#: recompile. Two is what one legitimate extra graph costs: a sanity check's eval graph,
-#: or torch turning a per-instance int dynamic on its first change (static, then symbolic).
-PER_INSTANCE_ALLOWANCE = 2
+#: Up to this many instances compiling graphs of their own is torch compiling a
+#: per-instance number as a constant once and then as a symbolic value: bounded, 2
+#: graphs whatever the depth. More (or a recompile-limit hit) grows with depth.
+SYMBOLIC_AFTER_FIRST_CHANGE = 2
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,8 @@ def region_report(model: nn.Module) -> RegionReport:
 def per_instance_recompiles(
     rows: tuple[RegionRow, ...], recompiles: tuple[ClassRecompiles, ...]
 ) -> tuple[PerInstanceRecompiles, ...]:
-    """Block classes whose instances compiled graphs of their own beyond the allowance,
-    or hit the recompile limit, for a reason other than a tensor input's metadata;
+    """Block classes of which two or more instances compiled graphs of their own, or
+    which hit the recompile limit, for a reason other than a tensor input's metadata;
     with the guards that differed (dynamo's recompile reasons) and the fix for each."""
     by_class: dict[str, list[RegionRow]] = {}
     for row in rows:
@@ -188,8 +188,9 @@ def per_instance_recompiles(
         guards = _distinct_guards(entry.reasons if entry else [])
         compiled = [row for row in class_rows if row.graphs > 0]
         limit_hits = entry.limit_hits if entry else 0
-        if not guards or (len(compiled) <= PER_INSTANCE_ALLOWANCE and not limit_hits):
+        if not guards or (len(compiled) < 2 and not limit_hits):
             continue
+        bounded = len(compiled) <= SYMBOLIC_AFTER_FIRST_CHANGE and not limit_hits
         found.append(
             PerInstanceRecompiles(
                 class_name=class_name,
@@ -201,7 +202,7 @@ def per_instance_recompiles(
                 graphs=sum(row.graphs for row in class_rows),
                 limit_hits=limit_hits,
                 guards=guards,
-                fix=fix_for(guards[0]),
+                fix=fix_for(guards[0], bounded),
             )
         )
     return tuple(found)
@@ -217,27 +218,35 @@ def _distinct_guards(reasons: list[str]) -> tuple[Guard, ...]:
     return tuple(distinct.values())
 
 
-def fix_for(guard: Guard) -> str:
-    """What removes a per-instance guard of this kind."""
+def fix_for(guard: Guard, bounded: bool = False) -> str:
+    """What removes a per-instance guard of this kind. ``bounded``: torch already
+    compiled the value symbolic after the first change (2 graphs whatever the depth)."""
     text = f"{guard.expression} {guard.source} {guard.location}"
     if "cache_utils" in text or "past_key_value" in text or "use_cache" in text:
         return (
             "a transformers KV cache is built in training (config.use_cache=True) and each "
-            "layer indexes it by its layer_idx. The strategies turn it off in training steps "
-            "(disable_training_kv_cache=True, the default); elsewhere pass use_cache=False."
+            "layer indexes it by its layer_idx. The strategies turn it off where not asked "
+            "for (disable_training_kv_cache=True, the default); elsewhere pass use_cache=False."
         )
     if "___check_type_id" in text or "___check_obj_id" in text:
         return (
             "an attribute whose object or class differs per instance; give every instance "
             "the same object and class, or choose outside forward."
         )
-    if re.fullmatch(r"self(\.\w+)+ == -?\d+", guard.expression):
+    number = re.fullmatch(r"self(\.\w+)+ == (-?[\d.e+-]+)", guard.expression)
+    if number and bounded:
+        return (
+            "a per-instance number: torch compiled its first value as a constant and the "
+            "next as symbolic, so this class costs 2 compiles whatever the depth. Store it "
+            "as a tensor buffer (register_buffer) for one graph."
+        )
+    if number and re.fullmatch(r"-?\d+", number.group(2)):
         return (
             "a per-instance int attribute. unspecialize_module_ints=True (the strategies' "
             "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
             "symbolic int after the first change; or store it as a tensor buffer."
         )
-    if re.fullmatch(r"self(\.\w+)+ == -?[\d.e+-]+", guard.expression):
+    if number:
         return (
             "a per-instance float attribute, specialised because "
             "torch._dynamo.config.specialize_float is True; set it False (torch's default) "

@@ -246,12 +246,16 @@ def fit_stack(tmp_path, blocks, **strategy_kwargs) -> tuple[Stack, list[str]]:
     return model, per_instance
 
 
-def test_a_drop_path_float_schedule_compiles_once_as_a_symbolic_float(tmp_path):
+def test_a_drop_path_float_schedule_compiles_twice_and_the_report_names_it(tmp_path):
     model, warned = fit_stack(tmp_path, lambda: [DropPathBlock(0.1 * i / 11) for i in range(12)])
     report = region_report(model)
     # torch specialises the first value, then compiles it symbolic on the first change
-    assert report.graphs == 2 and not report.never_ran_compiled and not warned
+    assert report.graphs == 2 and not report.never_ran_compiled
     assert sum(row.graphs > 0 for row in report.rows) == 2
+    (message,) = warned
+    assert "DropPathBlock: 2 graph(s) from 2 of 12 instances." in message
+    assert "`self.drop_prob == 0.0`" in message and "register_buffer" in message
+    assert "PER-INSTANCE RECOMPILES: DropPathBlock" in str(report)
 
 
 def test_a_specialised_float_schedule_is_reported_by_its_guard(tmp_path):
@@ -263,12 +267,13 @@ def test_a_specialised_float_schedule_is_reported_by_its_guard(tmp_path):
     assert "specialize_float" in message
 
 
-def test_a_per_layer_int_compiles_once_as_a_symbolic_int(tmp_path):
+def test_a_per_layer_int_compiles_symbolic_after_its_first_change(tmp_path):
     model, warned = fit_stack(tmp_path, lambda: [LayerIndexBlock(i) for i in range(12)])
     report = region_report(model)
-    assert (
-        report.graphs == 2 and not report.never_ran_compiled and not warned
-    )  # static, then symbolic
+    assert report.graphs == 2 and not report.never_ran_compiled  # constant, then symbolic
+    (message,) = warned
+    assert "LayerIndexBlock: 2 graph(s) from 2 of 12 instances." in message
+    assert "`self.layer_idx == 0`" in message and "register_buffer" in message
 
 
 def test_a_per_layer_int_without_the_flag_is_reported_with_the_fix(tmp_path):
