@@ -11,6 +11,7 @@ import re
 import warnings
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .compile import tracker_of
@@ -246,11 +247,17 @@ def fix_for(guard: Guard, bounded: bool = False) -> str:
             "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
             "symbolic int after the first change; or store it as a tensor buffer."
         )
-    if number:
+    if number and torch._dynamo.config.specialize_float:
         return (
             "a per-instance float attribute, specialised because "
             "torch._dynamo.config.specialize_float is True; set it False (torch's default) "
             "or store the value as a tensor buffer."
+        )
+    if number:
+        return (
+            "a per-instance float attribute that torch specialised (it could not keep it "
+            "symbolic in this forward); store the value as a tensor buffer, or make it the "
+            "same on every instance."
         )
     return (
         "make the attribute the guard reads the same on every instance, or pass it to "

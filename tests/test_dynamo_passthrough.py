@@ -27,7 +27,12 @@ from torch._dynamo import exc as dynamo_exc
 from torch._dynamo.output_graph import OutputGraph
 from torch._subclasses import fake_tensor
 
-from lightning_regions import RegionalCompileStrategy, compile_regions, region_report
+from lightning_regions import (
+    PerInstanceRecompileWarning,
+    RegionalCompileStrategy,
+    compile_regions,
+    region_report,
+)
 from lightning_regions.tracking import (
     DYNAMO_GRAPH_BREAKS,
     DYNAMO_RERAISES,
@@ -163,10 +168,16 @@ def test_the_restart_reproducer_trains_under_the_strategy(tmp_path, backend):
 
     loader = torch.utils.data.DataLoader([(torch.randn(WIDTH),) for _ in range(16)], 4)
     compiled, plain = ScaledModule(), ScaledModule()
-    trainer(tmp_path, RegionalCompileStrategy(backend=backend), 4).fit(compiled, loader)
+    with pytest.warns(PerInstanceRecompileWarning, match="ScaledBlock: 3 graph"):
+        trainer(tmp_path, RegionalCompileStrategy(backend=backend), 4).fit(compiled, loader)
     trainer(tmp_path, "auto", 4).fit(plain, loader)
     assert compiled.losses == pytest.approx(plain.losses, rel=1e-5)
-    assert not region_report(compiled).never_ran_compiled
+    report = region_report(compiled)
+    assert not report.never_ran_compiled
+    # the restart specialises each block's own scale: named, with the float's fix
+    (entry,) = report.per_instance
+    assert entry.guards[0].expression.startswith("self.scale == ")
+    assert "could not keep it symbolic" in entry.fix
 
 
 def swin():
