@@ -9,7 +9,7 @@ repeats; ratios against whole-model ``torch.compile`` from the same run.
 Variants: eager; whole-model ``torch.compile``; accelerate's ``compile_regions``; ours
 (``compile_regions(inplace=True)``) with transformers' training cache on, as before
 issue 19 ("ours_cache_on"); ours with the cache off in training as the strategies do
-(``disable_kv_cache_in_training``) and per-instance ints symbolic ("ours").
+(``disable_kv_cache_unless_asked``) and per-instance ints symbolic ("ours").
 
     python benchmarks/real_model.py                       # 3 repeats
     python benchmarks/real_model.py --repeats 1 --variants whole ours
@@ -42,7 +42,7 @@ def build(variant: str, device: str):
     import transformers
 
     from lightning_regions import compile_regions
-    from lightning_regions.kv_cache import disable_kv_cache_in_training
+    from lightning_regions.kv_cache import disable_kv_cache_unless_asked
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS)
@@ -56,7 +56,7 @@ def build(variant: str, device: str):
     if variant == "ours_cache_on":
         return compile_regions(model, inplace=True)
     if variant == "ours":
-        disable_kv_cache_in_training(model)
+        disable_kv_cache_unless_asked(model)
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
         return compile_regions(model, inplace=True)
     return model

@@ -8,7 +8,7 @@ block recompiles once per layer until dynamo's recompile limit leaves the rest e
 (GPT-2 and Llama at 12 layers: 8 graphs and 4 layers eager, in training and again in
 the validation sanity check).
 
-``disable_kv_cache_in_training`` registers a forward pre-hook on each outermost
+``disable_kv_cache_unless_asked`` registers a forward pre-hook on each outermost
 ``PreTrainedModel`` that passes ``use_cache=False`` when the caller did not pass
 ``use_cache`` itself. ``generate()`` always passes it (``model_kwargs["use_cache"]``),
 so generation keeps the cache; so does any call with ``use_cache=True``. The config is
@@ -47,7 +47,7 @@ def _use_cache_position(module: nn.Module) -> int | None:
     return None
 
 
-def disable_kv_cache_in_training(root: nn.Module) -> list[str]:
+def disable_kv_cache_unless_asked(root: nn.Module) -> list[str]:
     """Register the ``use_cache=False``-unless-asked hook on each outermost transformers
     model under ``root`` whose config turns the cache on; return their paths."""
     changed = []
@@ -62,14 +62,14 @@ def disable_kv_cache_in_training(root: nn.Module) -> list[str]:
             continue
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             handle = module.register_forward_pre_hook(
-                _training_without_cache(position), with_kwargs=True
+                _without_cache_unless_asked(position), with_kwargs=True
             )
             module.__dict__[HOOK_ATTRIBUTE] = handle
         changed.append(path)
     return changed
 
 
-def _training_without_cache(position: int) -> Any:
+def _without_cache_unless_asked(position: int) -> Any:
     def hook(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -81,7 +81,7 @@ def _training_without_cache(position: int) -> Any:
 
 
 def restore_kv_cache(root: nn.Module) -> None:
-    """Remove the hooks ``disable_kv_cache_in_training`` registered under ``root``."""
+    """Remove the hooks ``disable_kv_cache_unless_asked`` registered under ``root``."""
     for module in root.modules():
         handle = module.__dict__.pop(HOOK_ATTRIBUTE, None)
         if handle is not None:

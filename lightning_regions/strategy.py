@@ -34,7 +34,7 @@ from .compile import (
     validate_compile_arguments,
     validate_on_compile_error,
 )
-from .kv_cache import disable_kv_cache_in_training, restore_kv_cache
+from .kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
 from .regions import RegionPlan, Selectors
 from .report import (
     PerInstanceRecompileWarning,
@@ -157,16 +157,17 @@ class RegionalCompileBase:
 
     def _prepare_for_one_graph_per_class(self, module: Any) -> None:
         """Remove the common per-instance recompiles before anything compiles: a transformers
-        KV cache built in training steps, and per-instance int attributes (torch's
+        KV cache that nobody asked for, and per-instance int attributes (torch's
         ``allow_unspec_int_on_nn_module``, set while this strategy is set up)."""
         if self.disable_training_kv_cache:
-            models = disable_kv_cache_in_training(module)
+            models = disable_kv_cache_unless_asked(module)
             if models:
                 self._kv_cache_module = module
                 rank_zero_info(
-                    "regional compile: transformers KV cache off in training steps (never "
-                    f"read there; it recompiles each layer) for {', '.join(models)}; "
-                    "evaluation and generate() keep it. disable_training_kv_cache=False keeps it."
+                    "regional compile: transformers KV cache off in forwards that do not pass "
+                    f"use_cache (a training or validation step never reads it, and each layer "
+                    f"indexing it recompiles the block) for {', '.join(models)}; generate() "
+                    "and use_cache=True keep it. disable_training_kv_cache=False keeps it on."
                 )
         if self.unspecialize_module_ints and self._module_ints_release is None:
             # Released at teardown, or when the module is collected (Fabric has no teardown).
@@ -300,8 +301,9 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
             with this user's key. They run code when loaded: only for checkpoints you trust.
         disable_training_kv_cache: pass ``use_cache=False`` to transformers models in
-            training steps (train mode, gradients on, ``use_cache`` not passed): the cache
-            is never read there, and each layer indexing it recompiles the block.
+            every forward that does not pass ``use_cache`` (``generate()`` does): a training
+            or validation step never reads the cache, and each layer indexing it
+            recompiles the block.
         unspecialize_module_ints: compile per-instance int attributes (a layer index) as
             symbolic ints after their first change (torch's
             ``allow_unspec_int_on_nn_module``, set while the strategy is set up).

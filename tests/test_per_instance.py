@@ -22,7 +22,7 @@ from lightning_regions import (
     RegionNotCompiledWarning,
     region_report,
 )
-from lightning_regions.kv_cache import disable_kv_cache_in_training, restore_kv_cache
+from lightning_regions.kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
 from lightning_regions.watch import parse_guard
 
 DEPTH = 12
@@ -147,8 +147,8 @@ def test_the_hook_turns_the_cache_off_unless_the_caller_asks_for_it():
     torch.manual_seed(0)
     model, ids = gpt2().eval(), torch.randint(0, VOCAB, (2, 8))
     expected = model(input_ids=ids).logits
-    assert disable_kv_cache_in_training(nn.ModuleDict({"lm": model})) == ["lm"]
-    assert disable_kv_cache_in_training(model) == [""]  # a second call adds no hook
+    assert disable_kv_cache_unless_asked(nn.ModuleDict({"lm": model})) == ["lm"]
+    assert disable_kv_cache_unless_asked(model) == [""]  # a second call adds no hook
     assert len(model._forward_pre_hooks) == 1
     for mode in (model.train, model.eval):
         mode()
