@@ -25,14 +25,13 @@ from lightning_regions import (
 from lightning_regions.kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
 from lightning_regions.watch import parse_guard
 
-DEPTH = 12
 VOCAB = 64
 STEPS = 3
 
 
 def gpt2() -> nn.Module:
     config = transformers.GPT2Config(
-        n_layer=DEPTH,
+        n_layer=12,  # a real depth: the recompile limit (8) hides below 9 layers
         n_embd=32,
         n_head=2,
         vocab_size=VOCAB,
@@ -45,7 +44,7 @@ def gpt2() -> nn.Module:
 
 def llama() -> nn.Module:
     config = transformers.LlamaConfig(
-        num_hidden_layers=DEPTH,
+        num_hidden_layers=12,
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=2,
@@ -119,7 +118,7 @@ def test_real_decoders_at_depth_compile_one_graph_per_mode_and_equal_plain(tmp_p
         fit(tmp_path, ours, RegionalCompileStrategy(backend="aot_eager"))
     fit(tmp_path, plain, "auto")
     report = region_report(ours)
-    assert len(report.rows) == DEPTH
+    assert len(report.rows) == ours.model.config.num_hidden_layers == 12
     assert report.graphs <= 2  # the sanity check's eval graph and the training graph
     assert not report.never_ran_compiled and not report.per_instance
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
