@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager
 
 CHECKPOINT_KEY = "lightning_regions_compile_cache"
@@ -217,7 +218,7 @@ def unpack_artifacts(
     if differences:
         return _ignored("; ".join(differences))
     try:
-        parsed = check_artifacts(artifacts, inductor_cache_dir())
+        parsed = check_artifacts(artifacts, cache_dir())  # TORCHINDUCTOR_CACHE_DIR
     except CacheArtifactsRefusedError as refused:
         return _ignored(str(refused))  # checked whole first: nothing is half-loaded
     try:
@@ -225,13 +226,6 @@ def unpack_artifacts(
     except Exception as error:
         return _ignored(f"torch failed to populate its caches: {type(error).__name__}: {error}")
     return True
-
-
-def inductor_cache_dir() -> str:
-    """The directory torch's ``populate_cache`` writes under (``TORCHINDUCTOR_CACHE_DIR``)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return cache_dir()
 
 
 def _ignored(cause: str) -> bool:

@@ -28,6 +28,8 @@ PRIVATE_APIS = (
     ("torch.compiler", "save_cache_artifacts", "compile artifacts in checkpoints"),
     ("torch.compiler._cache", "CacheArtifactManager", "checking artifacts before loading"),
     ("torch.compiler._cache", "CacheArtifactFactory", "checking artifact types"),
+    ("torch._inductor.runtime.cache_dir_utils", "cache_dir", "where artifacts would land"),
+    ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
 )
 
 
