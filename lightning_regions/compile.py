@@ -17,7 +17,8 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
 from .graph import unwrap
-from .regions import RegionPlan, Selectors, find_regions
+from .nested import mark_nested, validate_granularity
+from .regions import RegionPlan, Selectors, find_regions, nest_plan
 from .tracking import COMPILE_ERROR_POLICIES, OBSERVED_CALLS, RegionTracker, tracking_backend
 from .trampolines import needs_trampoline, trampoline
 
@@ -26,7 +27,9 @@ TRACKER_ATTRIBUTE = "_lightning_regions_tracker"
 
 
 class ApplyMode(Protocol):
-    def region(self, module: nn.Module) -> nn.Module: ...
+    def region(self, module: nn.Module, original: nn.Module) -> nn.Module: ...
+
+    def nested(self, module: nn.Module) -> nn.Module: ...
 
     def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module: ...
 
@@ -39,6 +42,7 @@ class InPlace:
     ...) that would be a silent no-op: dynamo skips frames in ``torch.nn``, so the
     region would run eager. There the module's call goes through a small per-class
     function of ours (``trampolines``), which dynamo compiles and inlines the module through.
+    A nested region is marked in place (``nested.mark_nested``).
     """
 
     def __init__(self, compile_kwargs: dict[str, Any], tracker: RegionTracker) -> None:
@@ -46,7 +50,7 @@ class InPlace:
         self.tracker = tracker
         self.compiled_now = 0
 
-    def region(self, module: nn.Module) -> nn.Module:
+    def region(self, module: nn.Module, original: nn.Module) -> nn.Module:
         if is_compiled(module):
             return module
         if needs_trampoline(type(module)):
@@ -54,29 +58,42 @@ class InPlace:
             module._compiled_call_impl = torch.compile(call, **self.compile_kwargs)
         else:
             module.compile(**self.compile_kwargs)
-        self.tracker.observe(module, module.__dict__, "_compiled_call_impl")
+        self.tracker.observe(original, module.__dict__, "_compiled_call_impl")
         self.compiled_now += 1
         return module
+
+    def nested(self, module: nn.Module) -> nn.Module:
+        return mark_nested(module)
 
     def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
         return module
 
 
 class OutOfPlace:
-    """Wrap each region in an ``OptimizedModule``; rebuild parents, share everything else."""
+    """Wrap each region in an ``OptimizedModule``; rebuild parents, share everything else.
+
+    Under ``granularity="nested"`` a nested region becomes a marked shallow copy, and a
+    unit holding one (already our own copy) is compiled in place, so its keys stay.
+    """
 
     def __init__(self, compile_kwargs: dict[str, Any], tracker: RegionTracker) -> None:
         self.compile_kwargs = compile_kwargs
         self.tracker = tracker
+        self.own_copies = InPlace(compile_kwargs, tracker)
 
-    def region(self, module: nn.Module) -> nn.Module:
+    def region(self, module: nn.Module, original: nn.Module) -> nn.Module:
+        if module is not original:
+            return self.own_copies.region(module, original)
         if is_compiled(module):
             return module
         compiled = torch.compile(module, **self.compile_kwargs)
         if any(hasattr(type(module), name) for name in CONTAINER_PROTOCOL):
             compiled.__class__ = ContainerOptimizedModule
-        self.tracker.observe(module, compiled.__dict__, "forward")
+        self.tracker.observe(original, compiled.__dict__, "forward")
         return compiled
+
+    def nested(self, module: nn.Module) -> nn.Module:
+        return mark_nested(shallow_copy(module, module._modules))
 
     def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
         return shallow_copy(module, children)
@@ -129,19 +146,22 @@ def apply_plan(root: nn.Module, plan: RegionPlan, mode: ApplyMode) -> nn.Module:
     """Apply ``plan`` to ``root`` in one traversal of every registration.
 
     Each original module maps to exactly one result, whatever number of paths reach
-    it. Regions go through ``mode.region``; modules with a region below them go through
-    ``mode.parent`` with their mapped children; every other module is kept as it is.
+    it. Nested regions go through ``mode.nested``; modules with a region or nested region
+    below them go through ``mode.parent`` with their mapped children, and then, if they
+    are regions themselves (a unit compiled whole), through ``mode.region``; other
+    regions go through ``mode.region``; every other module is kept as it is.
     """
-    region_ids = plan.region_ids()
-    above_regions = _ancestors_of(root, region_ids)
+    region_ids, nested_ids = plan.region_ids(), plan.nested_ids()
+    above_regions = _ancestors_of(root, region_ids | nested_ids)
     memo: dict[int, nn.Module] = {}
 
     def visit(module: nn.Module) -> nn.Module:
         key = id(module)
         if key in memo:
             return memo[key]
-        if key in region_ids or id(unwrap(module)) in region_ids:
-            result = mode.region(module)
+        is_region = key in region_ids or id(unwrap(module)) in region_ids
+        if key in nested_ids:
+            result = mode.nested(module)
         elif key in above_regions:
             memo[key] = module  # a cycle back to this module keeps the original
             children = {
@@ -149,6 +169,10 @@ def apply_plan(root: nn.Module, plan: RegionPlan, mode: ApplyMode) -> nn.Module:
                 for name, child in module._modules.items()
             }
             result = mode.parent(module, children)
+            if is_region:
+                result = mode.region(result, module)
+        elif is_region:
+            result = mode.region(module, module)
         else:
             result = module
         memo[key] = result
@@ -190,6 +214,7 @@ def compile_regions(
     observe_calls: int | None = OBSERVED_CALLS,
     root_is_called: bool = True,
     plan: RegionPlan | None = None,
+    granularity: str = "regions",
     **compile_kwargs: Any,
 ) -> nn.Module:
     """Compile the repeated blocks of ``module``, keeping its shared structure exactly.
@@ -217,12 +242,20 @@ def compile_regions(
     without repeated blocks; see ``find_regions``. ``plan``: a plan already made by
     ``find_regions(module, ...)`` for this module, applied instead of planning again
     (then ``regions`` and ``root_is_called`` are not read).
+
+    ``granularity="nested"`` compiles what runs whole instead (``module``, or with
+    ``root_is_called=False`` its top-level children with parameters) and marks each
+    region inside it as a torch nested compile region, so one block is traced once and
+    reused; see ``nest_plan``. ``"regions"`` (default) compiles each region by itself.
     """
     validate_on_compile_error(on_compile_error)
+    validate_granularity(granularity)
     if observe_calls is not None and observe_calls < 1:
         raise ValueError(f"observe_calls={observe_calls}: use a positive count, or None.")
     if plan is None:
         plan = find_regions(module, regions, root_is_called=root_is_called)
+    if granularity == "nested" and not plan.nested:
+        plan = nest_plan(plan, module, root_is_called=root_is_called)
     tracker, torch_kwargs = tracked_compile_kwargs(
         plan, compile_kwargs, on_compile_error, observe_calls
     )

@@ -16,6 +16,8 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.fsdp import FSDPModule
 
+from .nested import original_class
+
 #: Path segments added by wrappers, not by the model: ``torch.compile`` registers the
 #: original module as ``_orig_mod`` inside an ``OptimizedModule``.
 WRAPPER_SEGMENTS = frozenset({"_orig_mod"})
@@ -35,11 +37,12 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def model_class(module: nn.Module) -> type:
     """The model's own class of ``module``: under ``torch.compile`` wrappers, and not
-    the ``FSDP<Class>`` subclass that FSDP2's ``fully_shard`` swaps in."""
+    the ``FSDP<Class>`` subclass that FSDP2's ``fully_shard`` swaps in, nor the marked
+    subclass of a nested region."""
     cls = type(unwrap(module))
     if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:
-        return cls.__bases__[-1]
-    return cls
+        cls = cls.__bases__[-1]
+    return original_class(cls)
 
 
 def join(prefix: str, name: str) -> str:

@@ -70,14 +70,27 @@ class Region:
 
 @dataclass(frozen=True)
 class RegionPlan:
-    """The regions chosen for a model, with the snapshot they were chosen from."""
+    """The regions chosen for a model, with the snapshot they were chosen from.
+
+    ``regions`` are compiled each by itself. ``nested`` (``granularity="nested"``, see
+    ``nest_plan``) are marked as nested compile regions inside them instead.
+    """
 
     regions: tuple[Region, ...]
     graph: ModuleGraph
     whole_model: bool = False
+    nested: tuple[Region, ...] = ()
 
     def region_ids(self) -> set[int]:
         return {id(region.module) for region in self.regions}
+
+    def nested_ids(self) -> set[int]:
+        return {id(region.module) for region in self.nested}
+
+    def nested_in(self, unit: Region) -> tuple[Region, ...]:
+        """The nested regions inside compiled unit ``unit``."""
+        inside = {id(m) for m in unit.module.modules()}
+        return tuple(region for region in self.nested if id(region.module) in inside)
 
 
 def find_regions(
@@ -127,14 +140,7 @@ def _fallback_plan(module: nn.Module, graph: ModuleGraph, root_is_called: bool) 
         )
         whole = Region(module=root, paths=("",), reason="whole model: no repeated blocks")
         return RegionPlan(regions=(whole,), graph=graph, whole_model=True)
-    children = [
-        entry
-        for child in root._modules.values()
-        if child is not None
-        for entry in _expand_containers(child)
-        if _has_parameters(entry)
-    ]
-    children = list({id(child): child for child in children}.values())
+    children = _top_level_children(root)
     warnings.warn(
         f"{name} has no repeated blocks ({searched}), and its own forward is not what the "
         f"training loop calls, so each top-level child with parameters is compiled whole: "
@@ -151,6 +157,55 @@ def _fallback_plan(module: nn.Module, graph: ModuleGraph, root_is_called: bool) 
         for child in children
     )
     return RegionPlan(regions=chosen, graph=graph, whole_model=True)
+
+
+def _top_level_children(root: nn.Module) -> list[nn.Module]:
+    """Each distinct top-level child of ``root`` with parameters, containers expanded."""
+    children = [
+        entry
+        for child in root._modules.values()
+        if child is not None
+        for entry in _expand_containers(child)
+        if _has_parameters(entry)
+    ]
+    return list({id(child): child for child in children}.values())
+
+
+def nest_plan(plan: RegionPlan, module: nn.Module, *, root_is_called: bool = True) -> RegionPlan:
+    """The plan for ``granularity="nested"``: compile what training runs whole, with
+    ``plan``'s regions inside it marked as nested compile regions.
+
+    What runs is ``module`` itself, or (``root_is_called=False``) each top-level child
+    with parameters, the units the fallback compiles; never a root nobody calls. A region
+    that is such a unit, or lies in none, stays a region of its own.
+    """
+    if plan.whole_model:
+        return plan
+    root = unwrap(module)
+    units = [root] if root_is_called else _top_level_children(root)
+    unit_ids = {id(unit) for unit in units}
+    inside_units = {id(m) for unit in units for m in unit.modules() if m is not unit}
+    nested = tuple(
+        region
+        for region in plan.regions
+        if id(region.module) in inside_units and id(region.module) not in unit_ids
+    )
+    if not nested:
+        return plan
+    kept = [region for region in plan.regions if region not in nested]
+    kept_ids = {id(region.module) for region in kept}
+    for unit in units:
+        if id(unit) in kept_ids:
+            continue
+        held = sorted({r.class_name for r in nested if any(m is r.module for m in unit.modules())})
+        reason = (
+            f"compiled whole, {', '.join(held)} nested inside"
+            if held
+            else "compiled whole: what training runs"
+        )
+        paths = tuple(plan.graph.paths_of(unit)) or ("",)
+        kept.append(Region(module=unit, paths=paths, reason=reason))
+    return RegionPlan(regions=tuple(kept), graph=plan.graph, nested=nested)
 
 
 def _as_list(regions: Selectors) -> list[str]:

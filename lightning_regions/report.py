@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from .compile import tracker_of
+from .graph import join
+from .regions import Region, RegionPlan
+from .tracking import RegionStats
 from .watch import ClassRecompiles, Guard, graph_breaks, parse_guard
 
 
@@ -42,6 +45,17 @@ class RegionRow:
     compiled_calls: int
     compile_seconds: float
     compile_error: str | None = None
+    nested_in: str = ""  # a nested region: the path of the unit compiled whole around it
+    nested_calls: int = 0  # its calls inside that unit's compiled graphs
+    nested_subgraphs: int = 0  # distinct traced blocks those calls ran
+    nested_reuses: int = 0  # calls that ran a block already traced, not a new trace
+    inlined: bool = False  # torch traced a call of it into the unit's graph, not nested
+
+    @property
+    def ran_compiled(self) -> bool:
+        if self.nested_in:
+            return self.nested_calls > 0 or self.inlined
+        return self.compiled_calls > 0
 
 
 @dataclass(frozen=True)
@@ -93,8 +107,14 @@ class RegionReport:
 
     @property
     def never_ran_compiled(self) -> tuple[RegionRow, ...]:
-        """Regions with no compiled call: they ran eager, or were never called."""
-        return tuple(row for row in self.rows if row.compiled_calls == 0)
+        """Regions with no compiled call (a nested region: no call in a compiled graph):
+        they ran eager, or were never called."""
+        return tuple(row for row in self.rows if not row.ran_compiled)
+
+    @property
+    def nested(self) -> tuple[RegionRow, ...]:
+        """The regions that ran as nested compile regions (``granularity="nested"``)."""
+        return tuple(row for row in self.rows if row.nested_in)
 
     def __str__(self) -> str:
         lines = [
@@ -106,6 +126,15 @@ class RegionReport:
         for row in self.rows:
             if not started:
                 status = "not run yet"
+            elif row.nested_in:
+                status = (
+                    f"nested in {row.nested_in}: {row.nested_calls} call(s) in graph, "
+                    f"{row.nested_subgraphs} traced, {row.nested_reuses} reused"
+                    if row.nested_calls
+                    else f"compiled inline in {row.nested_in} (torch did not nest its call)"
+                    if row.inlined
+                    else f"NOT COMPILED (no call in a compiled graph of {row.nested_in})"
+                )
             elif row.compile_error:
                 status = f"EAGER (compile failed: {row.compile_error})"
             elif row.observed_calls == 0:
@@ -127,11 +156,27 @@ class RegionReport:
                     f"(recompile-limit hits {entry.limit_hits}); last guard: "
                     f"{parse_guard(entry.reasons[-1]) if entry.reasons else 'none recorded'}"
                 )
+        for class_name, (calls, traced, reused) in _nested_by_class(self.nested).items():
+            lines.append(
+                f"  nested {class_name}: {calls} call(s) in graph, {traced} traced, {reused} reused"
+            )
         for entry in self.per_instance:
             lines.append(f"  PER-INSTANCE RECOMPILES: {entry}")
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
+
+
+def _nested_by_class(rows: tuple[RegionRow, ...]) -> dict[str, tuple[int, int, int]]:
+    totals: dict[str, tuple[int, int, int]] = {}
+    for row in rows:
+        calls, traced, reused = totals.get(row.class_name, (0, 0, 0))
+        totals[row.class_name] = (
+            calls + row.nested_calls,
+            traced + row.nested_calls - row.nested_reuses,
+            reused + row.nested_reuses,
+        )
+    return totals
 
 
 def _groups(groups: tuple[tuple[str, ...], ...]) -> str:
@@ -160,7 +205,7 @@ def region_report(model: nn.Module) -> RegionReport:
             compile_error=stats.compile_error,
         )
         for region, stats in zip(plan.regions, tracker.stats, strict=True)
-    )
+    ) + nested_rows(plan, tracker.stats)
     recompiles = tuple(tracker.watch.refresh())
     return RegionReport(
         rows=rows,
@@ -171,6 +216,53 @@ def region_report(model: nn.Module) -> RegionReport:
         graph_breaks=graph_breaks(),
         per_instance=per_instance_recompiles(rows, recompiles),
     )
+
+
+def nested_rows(plan: RegionPlan, stats: list[RegionStats]) -> tuple[RegionRow, ...]:
+    """One row per nested region: its calls in the compiled graphs that ran for the unit
+    around it (found by the module path dynamo recorded for each call), how many of
+    those calls traced a new block and how many reused one, and whether torch inlined
+    a call of it into the unit's graph instead."""
+    rows = []
+    for nested in plan.nested:
+        unit_path, calls, subgraphs, reuses, inlined = "", 0, set(), 0, False
+        for unit, unit_stats in zip(plan.regions, stats, strict=True):
+            if nested not in plan.nested_in(unit):
+                continue
+            unit_path = unit_path or (unit.paths[0] or "<root>")
+            for number, nesting in sorted(unit_stats.ran_graphs.items()):
+                traced: set[str] = set()
+                for call in nesting.calls:
+                    if _names(nested, unit, call.path):
+                        calls += 1
+                        subgraphs.add((number, call.subgraph))
+                        reuses += call.subgraph in traced
+                    traced.add(call.subgraph)
+                inlined = inlined or any(
+                    _names(nested, unit, path) for path in nesting.module_paths
+                )
+        rows.append(
+            RegionRow(
+                class_name=nested.class_name,
+                paths=nested.paths,
+                reason=nested.reason,
+                graphs=0,
+                observed_calls=0,
+                compiled_calls=0,
+                compile_seconds=0.0,
+                nested_in=unit_path,
+                nested_calls=calls,
+                nested_subgraphs=len(subgraphs),
+                nested_reuses=reuses,
+                inlined=inlined,
+            )
+        )
+    return tuple(rows)
+
+
+def _names(nested: Region, unit: Region, path: str) -> bool:
+    """True when ``path``, relative to ``unit``, is a path of ``nested``."""
+    return any(join(prefix, path) in nested.paths for prefix in unit.paths)
 
 
 def per_instance_recompiles(

@@ -36,6 +36,7 @@ from torch._dynamo import exc as dynamo_exc
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .graph import unwrap
+from .nested import GraphNesting, explain_nested_failure, graph_nesting
 from .regions import RegionPlan
 from .watch import RecompileWatch
 
@@ -80,6 +81,9 @@ class RegionStats:
     compiled_calls: int = 0
     compile_seconds: float = 0.0
     compile_error: str | None = None
+    nested_regions: tuple[str, ...] = ()  # labels of the nested regions inside this one
+    #: The graphs that ran in observed calls, by compile order, for nested regions.
+    ran_graphs: dict[int, GraphNesting] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -142,6 +146,7 @@ class TrackingBackend:
     def __init__(self, inner: Callable[..., Any]) -> None:
         self.inner = inner
         self.unattributed_graphs = 0
+        self.graphs_compiled = 0
         self.observers = 0
         self.hooks: weakref.WeakSet[GraphHook] = weakref.WeakSet()
         self.__name__ = str(getattr(inner, "compiler_name", "regional"))
@@ -160,12 +165,14 @@ class TrackingBackend:
         else:
             owner.graphs += 1
             owner.compile_seconds += time.perf_counter() - start
-        return self._counting(_real_forward(compiled))
+        return self._counting(_real_forward(compiled), graph_nesting(gm))
 
-    def _counting(self, compiled: CompiledFn) -> CompiledFn:
+    def _counting(self, compiled: CompiledFn, nesting: GraphNesting) -> CompiledFn:
         """Wrap ``compiled`` so a call marks the running region's call as compiled."""
         hook = GraphHook(compiled)
         backend = self
+        self.graphs_compiled += 1
+        number = self.graphs_compiled
 
         # Dynamo calls a backend's result with positional arguments, boxed or not.
         def run(*args: Any) -> Any:
@@ -174,6 +181,8 @@ class TrackingBackend:
             if backend.observers:
                 if _RUNNING:
                     _RUNNING[-1].ran_graph = True
+                    if _RUNNING[-1].stats.nested_regions:
+                        _RUNNING[-1].stats.ran_graphs[number] = nesting
             else:
                 hook.remove()  # compiled after observation ended: off the path from now on
             return compiled(*args)
@@ -267,6 +276,13 @@ class ObservedRegion:
         _RUNNING.append(running)
         try:
             return self.call(*args, **kwargs)
+        except Exception as error:
+            if self.stats.nested_regions:
+                labels = list(self.stats.nested_regions)
+                explained = explain_nested_failure(error, self.stats.label, labels)
+                if explained is not None:
+                    raise explained from error
+            raise
         finally:
             _RUNNING.pop()
             self.stats.observed_calls += 1
@@ -329,7 +345,14 @@ class RegionTracker:
         on_compile_error: str = "raise",
         observe_calls: int | None = OBSERVED_CALLS,
     ) -> RegionTracker:
-        stats = [RegionStats(region.label, on_compile_error) for region in plan.regions]
+        stats = [
+            RegionStats(
+                region.label,
+                on_compile_error,
+                nested_regions=tuple(nested.label for nested in plan.nested_in(region)),
+            )
+            for region in plan.regions
+        ]
         return cls(plan, stats, backend, RecompileWatch(plan), observe_calls)
 
     def observe(self, module: nn.Module, slot: dict[str, Any], key: str) -> None:

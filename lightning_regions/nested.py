@@ -1,0 +1,176 @@
+"""Marking regions as torch nested compile regions (``granularity="nested"``).
+
+torch's ``nested_compile_region`` makes one whole-model graph in which a marked
+function is traced once and stamped out at every later call. Its reuse check swaps
+the sources of the function's explicit arguments (``L['self'].blocks[0]`` for
+``blocks[1]``), so the module must reach the marked function as an argument: a
+``forward`` bound to one instance reuses that instance's weights for every block
+(measured on torch 2.13: silently wrong outputs). So a region is marked by giving it,
+and only it, a subclass of its own class whose ``forward`` is the marked one: identity,
+``state_dict`` keys, hooks and ``isinstance`` are unchanged, other instances of the
+class and other models are untouched, and one marked subclass per class lets torch
+reuse one traced block across every region of that class, checking its guards per call.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+GRANULARITIES = ("regions", "nested")
+#: On a marked subclass: the class it marks.
+MARKED_FROM = "_lightning_regions_nested_of"
+#: The higher-order op a nested region becomes in dynamo's graph.
+INVOKE_SUBGRAPH = "invoke_subgraph"
+
+_MARKED_CLASSES: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+class NestedRegionError(RuntimeError):
+    """torch could not compile a region as a nested compile region; names it and the fix."""
+
+
+def validate_granularity(granularity: str) -> None:
+    """Raise ``ValueError`` for an unknown granularity, ``RuntimeError`` for a torch
+    without ``torch.compiler.nested_compile_region`` when ``"nested"`` is asked for."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r}: use one of {GRANULARITIES}.")
+    if granularity == "nested" and not nested_regions_available():
+        raise RuntimeError(
+            f"granularity='nested' needs torch.compiler.nested_compile_region (torch >= 2.8); "
+            f"this is torch {torch.__version__}. Use granularity='regions' or upgrade torch."
+        )
+
+
+def nested_regions_available() -> bool:
+    return callable(getattr(torch.compiler, "nested_compile_region", None))
+
+
+def original_class(cls: type) -> type:
+    """The user's class under a marked subclass (``cls`` itself otherwise)."""
+    return cls.__dict__.get(MARKED_FROM, cls)
+
+
+def is_marked(module: nn.Module) -> bool:
+    """True when ``module``'s ``forward`` is a torch nested compile region."""
+    return hasattr(type(module).forward, "__marked_compile_region_fn__")
+
+
+def marked_class(cls: type) -> type:
+    """One subclass of ``cls`` per process whose ``forward`` is a nested compile region."""
+    marked = _MARKED_CLASSES.get(cls)
+    if marked is None:
+        namespace = {
+            "forward": torch.compiler.nested_compile_region(cls.forward),
+            MARKED_FROM: cls,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        marked = type(cls.__name__, (cls,), namespace)
+        _MARKED_CLASSES[cls] = marked
+    return marked
+
+
+def mark_nested(module: nn.Module) -> nn.Module:
+    """Make ``module`` (in place) a nested compile region; already marked: unchanged."""
+    if not is_marked(module):
+        module.__class__ = marked_class(type(module))
+    return module
+
+
+@dataclass(frozen=True)
+class NestedCall:
+    """One call of a nested region in a graph dynamo compiled."""
+
+    subgraph: str  # the traced block it runs, named within that graph
+    path: str  # the module path dynamo called, relative to the compiled unit
+
+
+@dataclass(frozen=True)
+class GraphNesting:
+    """What one compiled graph says about nested regions: the nested calls in graph
+    order, and every module path its operations came from (a call torch inlined shows
+    up there, not as a nested call)."""
+
+    calls: tuple[NestedCall, ...]
+    module_paths: frozenset[str]
+
+
+def graph_nesting(gm: torch.fx.GraphModule) -> GraphNesting:
+    """Read ``gm``'s nested-region calls and module paths from its nodes' metadata."""
+    calls, paths = [], set()
+    for node in gm.graph.nodes:
+        sources = node.meta.get("nn_module_stack", {}).values()
+        stack = [_module_path(source) for source, _ in sources]
+        paths.update(stack)
+        if node.op == "call_function" and INVOKE_SUBGRAPH in str(node.target):
+            identifier = node.args[1] if len(node.args) > 1 else node.args[0]
+            calls.append(NestedCall(str(identifier), stack[-1] if stack else ""))
+    return GraphNesting(tuple(calls), frozenset(paths))
+
+
+def _module_path(source: str) -> str:
+    """``L['self'].blocks[1]`` (dynamo's source of the module) as ``blocks.1``."""
+    path = re.sub(r"^L\['self'\]\.?", "", source)
+    path = re.sub(r"\._modules\[['\"](\w+)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", path)
+    return path.lstrip(".")
+
+
+#: torch's failures of nested regions, what to look for in the error, and the fix.
+NESTED_FAILURES = (
+    (
+        "maximum reuse entries",
+        "a guard differs on every instance, so torch traced the block again for each one "
+        "until its reuse limit",
+        "make the attribute the guard reads the same on every instance (the report's "
+        "per-instance fixes apply), or use granularity='regions'",
+    ),
+    (
+        "aliasing",
+        "the block returns one of its inputs (or a view of it) unchanged",
+        "return input.clone() (or do not return the input), or use granularity='regions'",
+    ),
+    (
+        "in-place operation",
+        "the block mutates one of its inputs in place",
+        "use an out-of-place operation on the input, or granularity='regions'",
+    ),
+    (
+        "mutation",
+        "the block mutates one of its inputs in place",
+        "use an out-of-place operation on the input, or granularity='regions'",
+    ),
+    (
+        "captured completely",
+        "the block has a graph break, which a nested region cannot have",
+        "remove the graph break (TORCH_LOGS=graph_breaks names it), or use granularity='regions'",
+    ),
+)
+
+
+def explain_nested_failure(error: BaseException, unit: str, regions: list[str]) -> Any:
+    """A ``NestedRegionError`` naming ``regions``, torch's limit and the fix, when
+    ``error`` (or an error it was raised from) is a nested-region failure; else None."""
+    text = ""
+    seen: BaseException | None = error
+    while seen is not None:
+        text += f"{type(seen).__name__}: {seen}\n"
+        seen = seen.__cause__ or seen.__context__
+    if INVOKE_SUBGRAPH not in text and "higher order op" not in text.lower():
+        return None
+    what, fix = next(
+        ((what, fix) for needle, what, fix in NESTED_FAILURES if needle in text),
+        ("torch failed inside a nested region", "use granularity='regions'"),
+    )
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    return NestedRegionError(
+        f"granularity='nested': torch could not compile {', '.join(regions)} as nested "
+        f"regions inside {unit}: {what}. Fix: {fix}. torch said: {first[:400]}"
+    )
