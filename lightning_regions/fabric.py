@@ -33,7 +33,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
     Args:
         backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
             recompile_warn_threshold, cache_dir, disable_training_kv_cache,
-            unspecialize_module_ints: as for the Trainer's
+            unspecialize_module_ints, granularity: as for the Trainer's
             ``lightning_regions.RegionalCompileStrategy``; ``cache_dir=True`` is
             ``./compile_cache``.
         **kwargs: the Fabric strategy's own arguments.
@@ -56,6 +56,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
         cache_dir: str | bool = True,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
+        granularity: Literal["regions", "nested"] = "regions",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -71,6 +72,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
             cache_dir,
             disable_training_kv_cache=disable_training_kv_cache,
             unspecialize_module_ints=unspecialize_module_ints,
+            granularity=granularity,
         )
 
     def setup_module(self, module: nn.Module) -> Any:

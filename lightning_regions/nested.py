@@ -116,8 +116,9 @@ def graph_nesting(gm: torch.fx.GraphModule) -> GraphNesting:
 
 
 def _module_path(source: str) -> str:
-    """``L['self'].blocks[1]`` (dynamo's source of the module) as ``blocks.1``."""
-    path = re.sub(r"^L\['self'\]\.?", "", source)
+    """``L['self'].blocks[1]`` (dynamo's source of the module) as ``blocks.1``: relative to
+    the frame's module, ``self`` or, under a ``wrapper(*args)`` decorator, ``args[0]``."""
+    path = re.sub(r"^L\[['\"]\w+['\"]\](\[\d+\])?\.?", "", source)
     path = re.sub(r"\._modules\[['\"](\w+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", path)
     return path.lstrip(".")

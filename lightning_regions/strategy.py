@@ -35,6 +35,7 @@ from .compile import (
     validate_on_compile_error,
 )
 from .kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
+from .nested import validate_granularity
 from .regions import RegionPlan, Selectors
 from .report import (
     PerInstanceRecompileWarning,
@@ -93,8 +94,10 @@ class RegionalCompileBase:
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
+        granularity: str = "regions",
     ) -> None:
         validate_compile_arguments(backend, mode, options)
+        validate_granularity(granularity)
         validate_on_compile_error(on_compile_error)
         if recompile_warn_threshold is not None and recompile_warn_threshold < 1:
             raise ValueError(
@@ -115,6 +118,7 @@ class RegionalCompileBase:
         self.trust_unsigned_artifacts = trust_unsigned_artifacts
         self.disable_training_kv_cache = disable_training_kv_cache
         self.unspecialize_module_ints = unspecialize_module_ints
+        self.granularity = granularity
         self._module_ints_release: weakref.finalize | None = None
         self._kv_cache_module: Any = None
         self._previous_cache_dir: str | None = None
@@ -189,6 +193,7 @@ class RegionalCompileBase:
             observe_calls=None,  # until the first optimizer step is reported
             root_is_called=root_is_called,
             plan=plan,
+            granularity=self.granularity,
             **self.compile_kwargs,
         )
         rank_zero_info(f"{region_report(module)}")
@@ -307,6 +312,9 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         unspecialize_module_ints: compile per-instance int attributes (a layer index) as
             symbolic ints after their first change (torch's
             ``allow_unspec_int_on_nn_module``, set while the strategy is set up).
+        granularity: ``"regions"`` compiles each repeated block by itself; ``"nested"``
+            compiles each top-level child of the LightningModule whole, with the blocks
+            inside marked as torch nested compile regions (traced once, reused).
         accelerator: passed to ``SingleDeviceStrategy``.
         checkpoint_io: passed to ``SingleDeviceStrategy``.
         precision_plugin: passed to ``SingleDeviceStrategy``.
@@ -331,6 +339,7 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
+        granularity: Literal["regions", "nested"] = "regions",
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
@@ -354,6 +363,7 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             trust_unsigned_artifacts,
             disable_training_kv_cache,
             unspecialize_module_ints,
+            granularity,
         )
         self._device_from_trainer: torch.device | None = None
 
@@ -402,7 +412,7 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         cache_dir: as for ``RegionalCompileStrategy``.
         trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
             with this user's key. They run code when loaded: only for checkpoints you trust.
-        disable_training_kv_cache, unspecialize_module_ints: as for
+        disable_training_kv_cache, unspecialize_module_ints, granularity: as for
             ``RegionalCompileStrategy``.
         **kwargs: every ``DDPStrategy`` argument (``process_group_backend``,
             ``start_method``, ``find_unused_parameters``...).
@@ -424,6 +434,7 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
+        granularity: Literal["regions", "nested"] = "regions",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -440,6 +451,7 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
             trust_unsigned_artifacts,
             disable_training_kv_cache,
             unspecialize_module_ints,
+            granularity,
         )
 
     @classmethod
