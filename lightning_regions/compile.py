@@ -17,7 +17,7 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
 from .graph import unwrap
-from .nested import mark_nested, validate_granularity
+from .nested import inductor_options_for_nested, mark_nested, validate_granularity
 from .regions import RegionPlan, Selectors, find_regions, nest_plan
 from .tracking import COMPILE_ERROR_POLICIES, OBSERVED_CALLS, RegionTracker, tracking_backend
 from .trampolines import needs_trampoline, trampoline
@@ -194,7 +194,8 @@ def _ancestors_of(root: nn.Module, targets: set[int]) -> set[int]:
         for child in module._modules.values():
             if child is None or id(child) in path:
                 continue
-            if id(child) in targets or contains_target(child, path | {id(child)}):
+            below = contains_target(child, path | {id(child)})  # a target may hold targets
+            if id(child) in targets or below:
                 found = True
         done.add(key)
         if found:
@@ -283,6 +284,8 @@ def tracked_compile_kwargs(
     backend: str | Callable[..., Any] = kwargs.pop("backend", "inductor")
     mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
     validate_compile_arguments(backend, mode, options)
+    if plan.nested and backend == "inductor":
+        mode, options = None, inductor_options_for_nested(mode, options)
     tracking = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
     kwargs["backend"] = tracking
     return RegionTracker.start(plan, tracking, on_compile_error, observe_calls), kwargs

@@ -233,7 +233,9 @@ def _handle_compile_error(
     if owner is None:
         raise error
     cause = f"{type(error).__name__}: {error}"
-    if owner.on_compile_error == "raise":
+    if owner.on_compile_error == "raise" or owner.nested_regions:
+        # a graph holding nested regions cannot run eager either: torch runs the same
+        # higher-order op, so it is an error under both policies
         raise RegionCompileError(
             f"Compiling region {owner.label} failed: {cause}. Pass on_compile_error='eager' "
             "to run this region eager and keep training."
