@@ -33,7 +33,8 @@ VARIANTS = (
     "accelerate",
     "regional_out_of_place",
     "regional_inplace",
-    "nested_compile_region",
+    "nested",
+    "torch_nested",
 )
 WARMUP_STEPS, TIMED_STEPS = 2, 10
 
@@ -61,7 +62,9 @@ def build(variant: str, depth: int, width: int, device: str = "cpu"):
         return compile_regions(model)
     if variant == "regional_inplace":
         return compile_regions(model, inplace=True)
-    if variant == "nested_compile_region":
+    if variant == "nested":
+        return compile_regions(model, inplace=True, granularity="nested")
+    if variant == "torch_nested":  # torch's decorator on the block class, by hand
         GPTBlock.forward = torch.compiler.nested_compile_region(GPTBlock.forward)
         return torch.compile(model)
     return model
@@ -75,28 +78,52 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def step_once(model, idx):
+    import torch.nn.functional as F
+
+    logits = model(idx)  # through __call__: model.loss() would bypass torch.compile
+    F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+    return logits
+
+
+def gradients(model) -> dict:
+    return {
+        name.replace("_orig_mod.", ""): p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
 def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict:
     import torch
-    import torch.nn.functional as F
 
     model = build(variant, depth, width, device)
     idx = torch.randint(0, 65, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
     seconds = []
-    for _ in range(1 + WARMUP_STEPS + TIMED_STEPS):
+    for step in range(1 + WARMUP_STEPS + TIMED_STEPS):
         synchronize(device)
         start = time.perf_counter()
-        logits = model(idx)  # through __call__: model.loss() would bypass torch.compile
-        F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+        logits = step_once(model, idx)
         synchronize(device)
         seconds.append(time.perf_counter() - start)
+        if step == 0:  # the first step's result, to compare with eager below
+            first_logits, first_grads = logits.detach().clone(), gradients(model)
     counters = torch._dynamo.utils.counters
     gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else 0.0
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    reference = build("eager", depth, width, device)  # the same init: seed 0
+    expected = step_once(reference, idx).detach()
+    expected_grads = gradients(reference)
     return {
         "first_step_s": seconds[0],
         "steady_step_ms": 1000 * statistics.median(seconds[1 + WARMUP_STEPS :]),
         "graphs": counters["stats"]["unique_graphs"],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": rss_mb,
         "peak_gpu_mb": gpu_mb,
+        "output_error": (first_logits - expected).abs().max().item(),
+        "gradient_error": max(
+            (first_grads[name] - grad).abs().max().item() for name, grad in expected_grads.items()
+        ),
     }
 
 
@@ -119,8 +146,8 @@ def medians(runs: list[dict]) -> dict:
 def table(summary: dict, variants: list[str], depths: list[int]) -> str:
     lines = [
         "| depth | variant | first step (s) | vs whole | steady step (ms) | vs whole | graphs | "
-        "peak RSS (MB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "peak RSS (MB) | peak GPU (MB) | max output error | max gradient error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for depth in depths:
         whole = summary[str(depth)].get("whole")
@@ -133,7 +160,8 @@ def table(summary: dict, variants: list[str], depths: list[int]) -> str:
             lines.append(
                 f"| {depth} | {variant} | {row['first_step_s']:.1f} | {first_ratio} | "
                 f"{row['steady_step_ms']:.1f} | {steady_ratio} | {row['graphs']:.0f} | "
-                f"{row['peak_rss_mb']:.0f} |"
+                f"{row['peak_rss_mb']:.0f} | {row['peak_gpu_mb']:.0f} | "
+                f"{row['output_error']:.1e} | {row['gradient_error']:.1e} |"
             )
     return "\n".join(lines)
 

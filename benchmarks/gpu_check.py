@@ -6,8 +6,10 @@ process with a fresh, empty ``TORCHINDUCTOR_CACHE_DIR`` (triton's cache lives un
 
 1. cold first step and steady step of the tiny GPT (width 512, batch 8x128, forward and
    backward) at depth 4 and 16: eager, whole-model ``torch.compile``, accelerate's
-   ``compile_regions`` (given the model without its alias, which it would drop), and ours
-   in place (``benchmarks/compile_time.py --device cuda``);
+   ``compile_regions`` (given the model without its alias, which it would drop), ours
+   in place, ours with ``granularity="nested"`` and torch's ``nested_compile_region`` on
+   the block class by hand (``benchmarks/compile_time.py --device cuda``), each with its
+   first step's largest output and gradient error against eager;
 2. ``RegionalCompileStrategy`` with ``mode="reduce-overhead"`` (CUDA graphs) against the
    default mode: 20 steps each, steady step (``examples/resume_run.py``);
 3. a warm resume from checkpoint artifacts into an empty cache directory, against cold.
@@ -30,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 NO_GPU = 2
-VARIANTS = ("eager", "whole", "accelerate", "regional_inplace")
+VARIANTS = ("eager", "whole", "accelerate", "regional_inplace", "nested", "torch_nested")
 DEPTHS = (4, 16)
 WIDTH = 512
 RESUME_MODEL = ["--n-layer", "4", "--n-embd", "256", "--block-size", "64"]
@@ -103,8 +105,9 @@ def markdown(results: dict) -> str:
         lines.append(f"cold starts failed: {cold['error']}")
     else:
         lines += [
-            "| depth | variant | first step (s) | vs whole | steady step (ms) | vs whole |",
-            "|---|---|---|---|---|---|",
+            "| depth | variant | first step (s) | vs whole | steady step (ms) | vs whole | "
+            "peak GPU (MB) | max gradient error |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for depth, rows in cold.items():
             whole = rows["whole"]
@@ -113,7 +116,8 @@ def markdown(results: dict) -> str:
                     f"| {depth} | {variant} | {row['first_step_s']:.1f} | "
                     f"{row['first_step_s'] / whole['first_step_s']:.2f}x | "
                     f"{row['steady_step_ms']:.2f} | "
-                    f"{row['steady_step_ms'] / whole['steady_step_ms']:.2f}x |"
+                    f"{row['steady_step_ms'] / whole['steady_step_ms']:.2f}x | "
+                    f"{row['peak_gpu_mb']:.0f} | {row['gradient_error']:.1e} |"
                 )
     for name in ("modes", "warm_resume"):
         part = results.get(name, {})
@@ -144,6 +148,16 @@ def ratios(results: dict) -> list[str]:
                 f"({whole['first_step_s']:.1f} s), "
                 f"{ours['first_step_s'] / rows['accelerate']['first_step_s']:.2f}x accelerate; "
                 f"steady step {ours['steady_step_ms'] / whole['steady_step_ms']:.2f}x whole"
+            )
+        if {"whole", "nested", "torch_nested"} <= set(rows):
+            nested, whole, torch_nested = rows["nested"], rows["whole"], rows["torch_nested"]
+            lines.append(
+                f"depth {depth}: nested first step {nested['first_step_s']:.1f} s = "
+                f"{nested['first_step_s'] / whole['first_step_s']:.2f}x whole, "
+                f"{nested['first_step_s'] / torch_nested['first_step_s']:.2f}x torch's nested by "
+                f"hand; steady step {nested['steady_step_ms'] / whole['steady_step_ms']:.2f}x "
+                f"whole; gradient error {nested['gradient_error']:.1e} (torch's by hand "
+                f"{torch_nested['gradient_error']:.1e})"
             )
     modes = results.get("modes", {})
     if "reduce-overhead" in modes and "default" in modes:

@@ -1,6 +1,6 @@
 """Two-process DDP over gloo on CPU, run as a script (Lightning re-launches it per rank).
 
-Usage: python tests/ddp_run.py {regional,eager} OUT_DIR
+Usage: python tests/ddp_run.py {regional,nested,eager} OUT_DIR
 Each rank writes its final parameters and losses to OUT_DIR/<mode>_rank<r>.pt.
 """
 
@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.lightning_gpt import CharDataModule, GPTModule
-from lightning_regions import RegionalCompileDDPStrategy, TiedWeightsCheck
+from lightning_regions import RegionalCompileDDPStrategy, TiedWeightsCheck, region_report
 
 
 def main(mode: str, out: Path) -> None:
@@ -25,6 +25,10 @@ def main(mode: str, out: Path) -> None:
     )
     if mode == "regional":
         strategy = RegionalCompileDDPStrategy(backend="eager", process_group_backend="gloo")
+    elif mode == "nested":
+        strategy = RegionalCompileDDPStrategy(
+            backend="aot_eager", process_group_backend="gloo", granularity="nested"
+        )
     else:
         strategy = "ddp"
     trainer = pl.Trainer(
@@ -41,8 +45,13 @@ def main(mode: str, out: Path) -> None:
     )
     trainer.fit(model, data)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    compiled = model.model.blocks[0]._compiled_call_impl is not None
+    unit = model.model if mode == "nested" else model.model.blocks[0]
+    compiled = unit._compiled_call_impl is not None
     payload = {"params": state, "losses": model.losses, "compiled": compiled}
+    if mode == "nested":
+        rows = region_report(model).nested
+        payload["nested_calls"] = sum(row.nested_calls for row in rows)
+        payload["never_ran_compiled"] = len(region_report(model).never_ran_compiled)
     torch.save(payload, out / f"{mode}_rank{trainer.global_rank}.pt")
 
 

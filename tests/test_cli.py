@@ -62,6 +62,22 @@ def test_fsdp_strategy_name_resolves_in_yaml():
     assert isinstance(cli.trainer.strategy, RegionalCompileFSDPStrategy)
 
 
+def test_nested_config_sets_the_granularity_and_a_bad_one_exits_naming_it(tmp_path, capsys):
+    cli = parse("--config", str(CONFIGS / "nested.yaml"))
+    assert isinstance(cli.trainer.strategy, RegionalCompileStrategy)
+    assert cli.trainer.strategy.granularity == "nested"
+    assert parse("--config", str(CONFIGS / "regional.yaml")).trainer.strategy.granularity == (
+        "regions"
+    )
+    config = yaml.safe_load((CONFIGS / "nested.yaml").read_text())
+    config["trainer"]["strategy"]["init_args"]["granularity"] = "layers"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit):
+        parse("--config", str(path))
+    assert "granularity" in capsys.readouterr().err
+
+
 def test_callback_only_config_keeps_the_default_strategy():
     cli = parse("--config", str(CONFIGS / "tiecheck_only.yaml"))
     assert not isinstance(cli.trainer.strategy, RegionalCompileStrategy)

@@ -19,10 +19,15 @@ def run_ddp(mode: str, out: Path) -> list[dict]:
     return [torch.load(out / f"{mode}_rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory) -> list[dict]:
+    return run_ddp("eager", tmp_path_factory.mktemp("eager"))
+
+
 @pytest.mark.ddp
-def test_ranks_end_identical_and_equal_to_eager_ddp(tmp_path):
-    regional = run_ddp("regional", tmp_path)
-    eager = run_ddp("eager", tmp_path)
+@pytest.mark.parametrize("mode", ["regional", "nested"])
+def test_ranks_end_identical_and_equal_to_eager_ddp(tmp_path, eager, mode):
+    regional = run_ddp(mode, tmp_path)
     assert all(rank["compiled"] for rank in regional)
     assert not any(rank["compiled"] for rank in eager)
     for name, value in regional[0]["params"].items():
@@ -30,3 +35,6 @@ def test_ranks_end_identical_and_equal_to_eager_ddp(tmp_path):
         torch.testing.assert_close(value, eager[0]["params"][name], rtol=1e-4, atol=1e-6, msg=name)
     for rank in range(2):
         assert regional[rank]["losses"] == pytest.approx(eager[rank]["losses"], rel=1e-5)
+    if mode == "nested":  # 3 positions, 2 distinct blocks: every call nested in the graph
+        assert all(rank["nested_calls"] == 3 for rank in regional), regional[0]["nested_calls"]
+        assert all(rank["never_ran_compiled"] == 0 for rank in regional)
