@@ -119,16 +119,39 @@ class GraphNesting:
 
 
 def graph_nesting(gm: torch.fx.GraphModule) -> GraphNesting:
-    """Read ``gm``'s nested-region calls and module paths from its nodes' metadata."""
-    calls, paths = [], set()
-    for node in gm.graph.nodes:
-        sources = node.meta.get("nn_module_stack", {}).values()
-        stack = [_module_path(source) for source, _ in sources]
-        paths.update(stack)
-        if node.op == "call_function" and INVOKE_SUBGRAPH in str(node.target):
-            identifier = node.args[1] if len(node.args) > 1 else node.args[0]
-            calls.append(NestedCall(str(identifier), stack[-1] if stack else ""))
+    """Read ``gm``'s nested-region calls and module paths from its nodes' metadata, in
+    ``gm`` and in the bodies of its other higher-order ops (a ``torch.utils.checkpoint``
+    call becomes one, with the nested calls inside it), not inside the traced blocks."""
+    calls: list[NestedCall] = []
+    paths: set[str] = set()
+    for graph in _graphs_outside_nested_regions(gm):
+        for node in graph.nodes:
+            sources = node.meta.get("nn_module_stack", {}).values()
+            stack = [_module_path(source) for source, _ in sources]
+            paths.update(stack)
+            if _is_nested_call(node):
+                identifier = node.args[1] if len(node.args) > 1 else node.args[0]
+                calls.append(NestedCall(str(identifier), stack[-1] if stack else ""))
     return GraphNesting(tuple(calls), frozenset(paths))
+
+
+def _is_nested_call(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and INVOKE_SUBGRAPH in str(node.target)
+
+
+def _graphs_outside_nested_regions(gm: torch.fx.GraphModule) -> list[torch.fx.Graph]:
+    blocks = {
+        node.args[0].target
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if _is_nested_call(node) and isinstance(node.args[0], torch.fx.Node)
+    }
+    return [
+        module.graph
+        for name, module in gm.named_modules()
+        if isinstance(module, torch.fx.GraphModule) and name.rpartition(".")[2] not in blocks
+    ]
 
 
 def _module_path(source: str) -> str:

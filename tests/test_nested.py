@@ -55,6 +55,7 @@ def idx() -> torch.Tensor:
 MODELS = {
     "gpt_alias_tied": (tiny_gpt, idx),
     "gpt_shared_blocks": (lambda: tiny_gpt(unique_blocks=3), idx),
+    "gpt_checkpointing": (lambda: tiny_gpt(gradient_checkpointing=True), idx),
     "shared_descendant": (lambda: SharedModel(depth=6), tokens),
     "looped": (lambda: Looped(steps=6), lambda: torch.randn(3, 8)),
 }
