@@ -14,6 +14,7 @@ from .cache import CacheArtifactsIgnoredWarning  # noqa: E402
 from .compile import compile_regions, end_observation  # noqa: E402
 from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy  # noqa: E402
 from .graph import ModuleGraph, snapshot  # noqa: E402
+from .nested import NestedRegionError  # noqa: E402
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions  # noqa: E402
 from .report import (  # noqa: E402
     PerInstanceRecompileWarning,
@@ -35,6 +36,7 @@ __all__ = [
     "CacheArtifactsIgnoredWarning",
     "FSDPMeshWarning",
     "ModuleGraph",
+    "NestedRegionError",
     "NoRepeatedBlocksWarning",
     "PerInstanceRecompileWarning",
     "RecompileStormWarning",

@@ -248,6 +248,11 @@ def compile_regions(
     ``root_is_called=False`` its top-level children with parameters) and marks each
     region inside it as a torch nested compile region, so one block is traced once and
     reused; see ``nest_plan``. ``"regions"`` (default) compiles each region by itself.
+    torch's limits on nested regions (a block that mutates or returns its input, one
+    that differs per instance) raise ``NestedRegionError`` naming the regions and the
+    fix, under either ``on_compile_error``; with inductor, buffer reuse is off in those
+    graphs (``nested.NESTED_INDUCTOR_OPTIONS``: torch 2.13 computes wrong gradients
+    otherwise).
     """
     validate_on_compile_error(on_compile_error)
     validate_granularity(granularity)
