@@ -268,6 +268,17 @@ def test_training_under_the_strategy_equals_plain_lightning_and_checkpoints_stay
     fresh.load_state_dict(state, strict=True)  # the plain model's keys
 
 
+def test_bf16_mixed_with_gradient_accumulation_equals_plain_lightning(tmp_path):
+    ours, plain = gpt(n_layer=4, unique_blocks=None), gpt(n_layer=4, unique_blocks=None)
+    plain.load_state_dict(ours.state_dict())
+    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested", cache_dir=False)
+    options = {"precision": "bf16-mixed", "accumulate_grad_batches": 2}
+    trainer(tmp_path, strategy, callbacks=[TiedWeightsCheck()], **options).fit(ours, data())
+    trainer(tmp_path / "plain", "auto", **options).fit(plain, data())
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert sum(row.nested_calls for row in region_report(ours).nested) == 4
+
+
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
 def test_transformers_decoders_at_depth_12_nest_every_layer_and_train_as_plain(tmp_path, build):
     ours, plain = CausalLM(build), CausalLM(build)
