@@ -61,15 +61,21 @@ MODELS = {
 }
 
 
-def assert_equal_to_eager(compiled: nn.Module, eager: nn.Module, x: torch.Tensor) -> None:
+def assert_equal_to_eager(
+    compiled: nn.Module, eager: nn.Module, x: torch.Tensor, kernels: float = 1.0
+) -> None:
+    """Outputs and gradients equal eager's; ``kernels`` widens the tolerances for
+    inductor's own kernels (a different summation order, not a different result)."""
     out, expected = compiled(x), eager(x)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, expected, rtol=1e-5 * kernels, atol=1e-6 * kernels)
     out.square().mean().backward()
     expected.square().mean().backward()
     for (name, p), (_, q) in zip(
         compiled.named_parameters(), eager.named_parameters(), strict=True
     ):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-4 * kernels, atol=1e-6 * kernels, msg=name
+        )
 
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out_of_place"])
@@ -318,15 +324,7 @@ def test_inductor_nested_equals_eager():
     model = tiny_gpt()
     eager = copy.deepcopy(model)
     compiled = compile_regions(model, inplace=True, granularity="nested")
-    x = idx()
-    out, expected = compiled(x), eager(x)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    out.square().mean().backward()
-    expected.square().mean().backward()
-    for (name, p), (_, q) in zip(
-        compiled.named_parameters(), eager.named_parameters(), strict=True
-    ):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert_equal_to_eager(compiled, eager, idx(), kernels=10.0)
     assert "nested GPTBlock: 12 call(s) in graph, 1 traced, 11 reused" in str(region_report(model))
 
 
