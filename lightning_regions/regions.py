@@ -192,12 +192,14 @@ def nest_plan(plan: RegionPlan, module: nn.Module, *, root_is_called: bool = Tru
     )
     if not nested:
         return plan
-    kept = [region for region in plan.regions if region not in nested]
+    nested_ids = {id(region.module) for region in nested}
+    kept = [region for region in plan.regions if id(region.module) not in nested_ids]
     kept_ids = {id(region.module) for region in kept}
     for unit in units:
         if id(unit) in kept_ids:
             continue
-        held = sorted({r.class_name for r in nested if any(m is r.module for m in unit.modules())})
+        inside = {id(m) for m in unit.modules()}
+        held = sorted({region.class_name for region in nested if id(region.module) in inside})
         reason = (
             f"compiled whole, {', '.join(held)} nested inside"
             if held

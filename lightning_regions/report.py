@@ -227,7 +227,7 @@ def nested_rows(plan: RegionPlan, stats: list[RegionStats]) -> tuple[RegionRow, 
     for nested in plan.nested:
         unit_path, calls, subgraphs, reuses, inlined = "", 0, set(), 0, False
         for unit, unit_stats in zip(plan.regions, stats, strict=True):
-            if nested not in plan.nested_in(unit):
+            if all(inside.module is not nested.module for inside in plan.nested_in(unit)):
                 continue
             unit_path = unit_path or (unit.paths[0] or "<root>")
             for number, nesting in sorted(unit_stats.ran_graphs.items()):

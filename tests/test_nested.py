@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import Looped, SharedModel, registrations, tokens
+from models import Looped, LoopedBlock, SharedModel, registrations, tokens
 from test_lightning import data, gpt, trainer
 from test_per_instance import CausalLM, gpt2, llama
 from torch import nn
@@ -30,6 +30,7 @@ from lightning_regions import (
     RegionNotCompiledWarning,
     TiedWeightsCheck,
     compile_regions,
+    find_regions,
     region_report,
     snapshot,
 )
@@ -39,6 +40,7 @@ from lightning_regions.nested import (
     is_marked,
     mark_nested,
 )
+from lightning_regions.regions import nest_plan
 
 DEPTH = 12  # a real depth: reuse that fails per instance shows past torch's 8 entries
 
@@ -106,6 +108,31 @@ def test_outputs_and_gradients_equal_eager_with_every_shared_structure_kept(name
         assert registrations(model) == source
         assert not any(is_marked(m) for m in model.modules())
         assert all(m._compiled_call_impl is None for m in model.modules())
+
+
+class Holder(nn.Module):
+    """A LightningModule's shape: a model, and blocks of its own at the top level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_gpt(n_layer=3)
+        self.extra = nn.ModuleList([LoopedBlock(), LoopedBlock()])
+
+
+def test_nest_plan_compiles_what_runs_whole_and_nests_the_regions_inside():
+    holder = Holder()
+    blocks = [f"model.blocks.{i}" for i in range(3)]
+    loop_called = nest_plan(
+        find_regions(holder, root_is_called=False), holder, root_is_called=False
+    )
+    # top-level blocks are what runs themselves: regions; the model is compiled whole
+    assert [region.paths[0] for region in loop_called.regions] == ["extra.0", "extra.1", "model"]
+    assert [region.paths[0] for region in loop_called.nested] == blocks
+    assert loop_called.nested_in(loop_called.regions[2]) == loop_called.nested
+    root_called = nest_plan(find_regions(holder), holder)
+    assert [region.paths for region in root_called.regions] == [("",)]
+    assert [region.paths[0] for region in root_called.nested] == [*blocks, "extra.0", "extra.1"]
+    assert "GPTBlock, LoopedBlock nested inside" in root_called.regions[0].reason
 
 
 def test_depth_12_gpt_is_one_graph_with_one_traced_block_reused_11_times():
