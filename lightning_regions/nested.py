@@ -163,10 +163,10 @@ def _module_path(source: str) -> str:
     return path.lstrip(".")
 
 
-#: torch's failures of nested regions, what to look for in the error, and the fix.
+#: torch's failures of nested regions: what to look for in the error, what it means, the fix.
 NESTED_FAILURES = (
     (
-        "maximum reuse entries",
+        ("maximum reuse entries",),
         "an attribute differs on every instance (a number such as a layer index or a "
         "scale), so torch traced the block again for each one until its reuse limit",
         "store per-instance numbers as tensor buffers (register_buffer) or make them the "
@@ -174,22 +174,17 @@ NESTED_FAILURES = (
         "granularity='regions'",
     ),
     (
-        "aliasing",
+        ("aliasing",),
         "the block returns one of its inputs (or a view of it) unchanged",
         "return input.clone() (or do not return the input), or use granularity='regions'",
     ),
     (
-        "in-place operation",
+        ("in-place operation", "mutation"),
         "the block mutates one of its inputs in place",
         "use an out-of-place operation on the input, or granularity='regions'",
     ),
     (
-        "mutation",
-        "the block mutates one of its inputs in place",
-        "use an out-of-place operation on the input, or granularity='regions'",
-    ),
-    (
-        "captured completely",
+        ("captured completely",),
         "the block has a graph break, which a nested region cannot have",
         "remove the graph break (TORCH_LOGS=graph_breaks names it), or use granularity='regions'",
     ),
@@ -202,7 +197,9 @@ def _some(labels: list[str], shown: int = 3) -> str:
     return f"{', '.join(labels[:shown])} and {len(labels) - shown} more"
 
 
-def explain_nested_failure(error: BaseException, unit: str, regions: list[str]) -> Any:
+def explain_nested_failure(
+    error: BaseException, unit: str, regions: list[str]
+) -> NestedRegionError | None:
     """A ``NestedRegionError`` naming ``regions``, torch's limit and the fix, when
     ``error`` (or an error it was raised from) is a nested-region failure; else None."""
     text = ""
@@ -213,7 +210,7 @@ def explain_nested_failure(error: BaseException, unit: str, regions: list[str]) 
     if INVOKE_SUBGRAPH not in text and "higher order op" not in text.lower():
         return None
     what, fix = next(
-        ((what, fix) for needle, what, fix in NESTED_FAILURES if needle in text),
+        ((what, fix) for needles, what, fix in NESTED_FAILURES if any(n in text for n in needles)),
         ("torch failed inside a nested region", "use granularity='regions'"),
     )
     first = next((line for line in text.splitlines() if line.strip()), "")

@@ -224,10 +224,11 @@ def nested_rows(plan: RegionPlan, stats: list[RegionStats]) -> tuple[RegionRow, 
     those calls traced a new block and how many reused one, and whether torch inlined
     a call of it into the unit's graph instead."""
     rows = []
+    held = [{id(inside.module) for inside in plan.nested_in(unit)} for unit in plan.regions]
     for nested in plan.nested:
         unit_path, calls, subgraphs, reuses, inlined = "", 0, set(), 0, False
-        for unit, unit_stats in zip(plan.regions, stats, strict=True):
-            if all(inside.module is not nested.module for inside in plan.nested_in(unit)):
+        for unit, unit_stats, inside in zip(plan.regions, stats, held, strict=True):
+            if id(nested.module) not in inside:
                 continue
             unit_path = unit_path or (unit.paths[0] or "<root>")
             for number, nesting in sorted(unit_stats.ran_graphs.items()):
