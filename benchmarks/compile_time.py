@@ -94,6 +94,23 @@ def gradients(model) -> dict:
     }
 
 
+def cold_start_phases() -> dict:
+    """Where this process's compile time went, from torch's own ``dynamo_timed`` metrics."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    def total(name: str) -> float:
+        return sum(compilation_time_metrics.get(name, []))
+
+    return {
+        "dynamo_s": total("_compile.compile_inner") - total("OutputGraph.call_user_compiler"),
+        "aot_s": total("create_aot_dispatcher_function")
+        - total("compile_fx.<locals>.fw_compiler_base"),
+        "inductor_forward_s": total("compile_fx.<locals>.fw_compiler_base"),
+        "inductor_backward_s": total("compile_fx.<locals>.bw_compiler"),
+        "cpp_kernels": len(compilation_time_metrics.get("compile_file", [])),
+    }
+
+
 def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict:
     import torch
 
@@ -109,6 +126,7 @@ def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict
         if step == 0:  # the first step's result, to compare with eager below
             first_logits, first_grads = logits.detach().clone(), gradients(model)
     counters = torch._dynamo.utils.counters
+    phases = cold_start_phases()
     gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else 0.0
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     reference = build("eager", depth, width, device)  # the same init: seed 0
@@ -124,6 +142,7 @@ def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict
         "gradient_error": max(
             (first_grads[name] - grad).abs().max().item() for name, grad in expected_grads.items()
         ),
+        **phases,
     }
 
 
@@ -137,6 +156,23 @@ def run_isolated(variant: str, depth: int, width: int, device: str = "cpu") -> d
         if done.returncode != 0:
             raise RuntimeError(f"{variant} at depth {depth} failed:\n{done.stderr[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def vec_isa_probe_seconds() -> float:
+    """Inductor's one-time CPU vector-ISA probe (test builds with g++), in a fresh cache.
+
+    Every CPU cold start below pays it once, whatever the variant: its result is kept in
+    the inductor cache directory, and each run gets a fresh one."""
+    code = (
+        "import time; from torch._inductor import cpu_vec_isa; start = time.perf_counter(); "
+        "cpu_vec_isa.pick_vec_isa(); print(time.perf_counter() - start)"
+    )
+    with tempfile.TemporaryDirectory(prefix="inductor-probe-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def medians(runs: list[dict]) -> dict:
@@ -162,6 +198,33 @@ def table(summary: dict, variants: list[str], depths: list[int]) -> str:
                 f"{row['steady_step_ms']:.1f} | {steady_ratio} | {row['graphs']:.0f} | "
                 f"{row['peak_rss_mb']:.0f} | {row['peak_gpu_mb']:.0f} | "
                 f"{row['output_error']:.1e} | {row['gradient_error']:.1e} |"
+            )
+    return "\n".join(lines)
+
+
+def phase_table(summary: dict, variants: list[str], depths: list[int], probe_s: float) -> str:
+    """Where each compiled variant's cold first step goes (medians), and its ratio to
+    whole-model compile once the shared vector-ISA probe is taken out of both."""
+    lines = [
+        "| depth | variant | first step (s) | dynamo (s) | AOT (s) | inductor forward (s) | "
+        "inductor backward (s) | C++ kernels | vs whole, probe taken out |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for depth in depths:
+        whole = summary[str(depth)].get("whole")
+        for variant in variants:
+            row = summary[str(depth)][variant]
+            if variant == "eager" or "dynamo_s" not in row:
+                continue
+            ratio = (
+                f"{(row['first_step_s'] - probe_s) / (whole['first_step_s'] - probe_s):.2f}x"
+                if whole
+                else ""
+            )
+            lines.append(
+                f"| {depth} | {variant} | {row['first_step_s']:.1f} | {row['dynamo_s']:.1f} | "
+                f"{row['aot_s']:.1f} | {row['inductor_forward_s']:.1f} | "
+                f"{row['inductor_backward_s']:.1f} | {row['cpp_kernels']:.0f} | {ratio} |"
             )
     return "\n".join(lines)
 
@@ -214,7 +277,11 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {
         str(d): {v: [] for v in args.variants} for d in args.depths
     }
+    probes: list[float] = []
     for repeat in range(args.repeats):
+        if args.device == "cpu":
+            probes.append(vec_isa_probe_seconds())
+            print(f"repeat {repeat + 1} vector-ISA probe {probes[-1]:.1f} s", flush=True)
         for depth in args.depths:
             for variant in args.variants:  # interleaved, so drift hits every variant alike
                 result = run_isolated(variant, depth, args.width, args.device)
@@ -229,11 +296,26 @@ def main() -> None:
         f"Medians of {args.repeats} run(s), each in its own process with a fresh inductor cache."
     )
     markdown = f"{header}\n\n{table(summary, args.variants, args.depths)}\n"
+    if probes:
+        probe_s = statistics.median(probes)
+        markdown += (
+            f"\nInductor's one-time CPU vector-ISA probe: {probe_s:.1f} s (median of "
+            f"{len(probes)}, each in a fresh cache). Every inductor cold start above pays it once; "
+            "a machine whose inductor cache already holds it does not.\n\n"
+            f"{phase_table(summary, args.variants, args.depths, probe_s)}\n"
+        )
     suffix = "" if args.device == "cpu" else f"_{args.device}"
     (args.out / f"compile_time{suffix}.md").write_text(markdown)
     (args.out / f"compile_time{suffix}.json").write_text(
         json.dumps(
-            {"machine": machine(), "width": args.width, "runs": runs, "medians": summary}, indent=1
+            {
+                "machine": machine(),
+                "width": args.width,
+                "vec_isa_probe_s": probes,
+                "runs": runs,
+                "medians": summary,
+            },
+            indent=1,
         )
     )
     plot(summary, args.variants, args.depths, args.out / f"compile_time{suffix}.png")
