@@ -179,54 +179,72 @@ def medians(runs: list[dict]) -> dict:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
-def table(summary: dict, variants: list[str], depths: list[int]) -> str:
-    lines = [
-        "| depth | variant | first step (s) | vs whole | steady step (ms) | vs whole | graphs | "
-        "peak RSS (MB) | peak GPU (MB) | max output error | max gradient error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def markdown(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def each_row(summary: dict, variants: list[str], depths: list[int]):
+    """(depth, variant, medians, whole-model's medians at that depth or None)."""
     for depth in depths:
         whole = summary[str(depth)].get("whole")
         for variant in variants:
-            row = summary[str(depth)][variant]
-            first_ratio = f"{row['first_step_s'] / whole['first_step_s']:.2f}x" if whole else ""
-            steady_ratio = (
-                f"{row['steady_step_ms'] / whole['steady_step_ms']:.2f}x" if whole else ""
-            )
-            lines.append(
-                f"| {depth} | {variant} | {row['first_step_s']:.1f} | {first_ratio} | "
-                f"{row['steady_step_ms']:.1f} | {steady_ratio} | {row['graphs']:.0f} | "
-                f"{row['peak_rss_mb']:.0f} | {row['peak_gpu_mb']:.0f} | "
-                f"{row['output_error']:.1e} | {row['gradient_error']:.1e} |"
-            )
-    return "\n".join(lines)
+            yield depth, variant, summary[str(depth)][variant], whole
+
+
+def table(summary: dict, variants: list[str], depths: list[int]) -> str:
+    headers = ["depth", "variant", "first step (s)", "vs whole", "steady step (ms)", "vs whole"]
+    headers += ["graphs", "peak RSS (MB)", "peak GPU (MB)"]
+    headers += ["max output error", "max gradient error"]
+    rows = []
+    for depth, variant, row, whole in each_row(summary, variants, depths):
+        first_ratio = f"{row['first_step_s'] / whole['first_step_s']:.2f}x" if whole else ""
+        steady_ratio = f"{row['steady_step_ms'] / whole['steady_step_ms']:.2f}x" if whole else ""
+        rows.append(
+            [
+                str(depth),
+                variant,
+                f"{row['first_step_s']:.1f}",
+                first_ratio,
+                f"{row['steady_step_ms']:.1f}",
+                steady_ratio,
+                f"{row['graphs']:.0f}",
+                f"{row['peak_rss_mb']:.0f}",
+                f"{row['peak_gpu_mb']:.0f}",
+                f"{row['output_error']:.1e}",
+                f"{row['gradient_error']:.1e}",
+            ]
+        )
+    return markdown(headers, rows)
 
 
 def phase_table(summary: dict, variants: list[str], depths: list[int], probe_s: float) -> str:
     """Where each compiled variant's cold first step goes (medians), and its ratio to
     whole-model compile once the shared vector-ISA probe is taken out of both."""
-    lines = [
-        "| depth | variant | first step (s) | dynamo (s) | AOT (s) | inductor forward (s) | "
-        "inductor backward (s) | C++ kernels | vs whole, probe taken out |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for depth in depths:
-        whole = summary[str(depth)].get("whole")
-        for variant in variants:
-            row = summary[str(depth)][variant]
-            if variant == "eager" or "dynamo_s" not in row:
-                continue
-            ratio = (
-                f"{(row['first_step_s'] - probe_s) / (whole['first_step_s'] - probe_s):.2f}x"
-                if whole
-                else ""
-            )
-            lines.append(
-                f"| {depth} | {variant} | {row['first_step_s']:.1f} | {row['dynamo_s']:.1f} | "
-                f"{row['aot_s']:.1f} | {row['inductor_forward_s']:.1f} | "
-                f"{row['inductor_backward_s']:.1f} | {row['cpp_kernels']:.0f} | {ratio} |"
-            )
-    return "\n".join(lines)
+    headers = ["depth", "variant", "first step (s)", "dynamo (s)", "AOT (s)"]
+    headers += ["inductor forward (s)", "inductor backward (s)", "C++ kernels"]
+    headers += ["vs whole, probe taken out"]
+    rows = []
+    for depth, variant, row, whole in each_row(summary, variants, depths):
+        if variant == "eager" or "dynamo_s" not in row:
+            continue
+        ratio = ""
+        if whole:
+            ratio = f"{(row['first_step_s'] - probe_s) / (whole['first_step_s'] - probe_s):.2f}x"
+        rows.append(
+            [
+                str(depth),
+                variant,
+                f"{row['first_step_s']:.1f}",
+                f"{row['dynamo_s']:.1f}",
+                f"{row['aot_s']:.1f}",
+                f"{row['inductor_forward_s']:.1f}",
+                f"{row['inductor_backward_s']:.1f}",
+                f"{row['cpp_kernels']:.0f}",
+                ratio,
+            ]
+        )
+    return markdown(headers, rows)
 
 
 def plot(summary: dict, variants: list[str], depths: list[int], path: Path) -> None:
