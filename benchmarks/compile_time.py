@@ -278,15 +278,31 @@ def machine() -> str:
     )
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, variants: tuple[str, ...]) -> None:
+    """The options every side-by-side benchmark takes: repeats, variants, out, device."""
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=list(variants), choices=variants)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--child", choices=variants, help=argparse.SUPPRESS)
+
+
+def save_results(out: Path, name: str, device: str, markdown: str, data: dict) -> Path:
+    """Write ``name.md`` and ``name.json`` under ``out`` (``name_<device>`` off CPU).
+
+    Returns the path without its suffix, for any further file of the same run."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / (name if device == "cpu" else f"{name}_{device}")
+    stem.with_suffix(".md").write_text(markdown)
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    return stem
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    add_run_arguments(parser, VARIANTS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(args.child, args.depths[0], args.width, args.device)))
@@ -307,7 +323,6 @@ def main() -> None:
                 print(f"repeat {repeat + 1} depth {depth:2d} {variant:22s} {result}", flush=True)
     summary = {d: {v: medians(r) for v, r in by_variant.items()} for d, by_variant in runs.items()}
 
-    args.out.mkdir(parents=True, exist_ok=True)
     header = (
         f"Machine: {machine()}, device {args.device}. Width {args.width}, batch 8x128 tokens, "
         "forward+backward. "
@@ -322,21 +337,15 @@ def main() -> None:
             "a machine whose inductor cache already holds it does not.\n\n"
             f"{phase_table(summary, args.variants, args.depths, probe_s)}\n"
         )
-    suffix = "" if args.device == "cpu" else f"_{args.device}"
-    (args.out / f"compile_time{suffix}.md").write_text(markdown)
-    (args.out / f"compile_time{suffix}.json").write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "width": args.width,
-                "vec_isa_probe_s": probes,
-                "runs": runs,
-                "medians": summary,
-            },
-            indent=1,
-        )
-    )
-    plot(summary, args.variants, args.depths, args.out / f"compile_time{suffix}.png")
+    data = {
+        "machine": machine(),
+        "width": args.width,
+        "vec_isa_probe_s": probes,
+        "runs": runs,
+        "medians": summary,
+    }
+    stem = save_results(args.out, "compile_time", args.device, markdown, data)
+    plot(summary, args.variants, args.depths, stem.with_suffix(".png"))
     print(markdown)
 
 

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from compile_time import add_run_arguments, save_results
+
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("eager", "whole", "accelerate", "ours_cache_on", "ours")
 WARMUP_STEPS, TIMED_STEPS = 2, 5
@@ -121,11 +123,7 @@ def table(summary: dict, variants: list[str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    add_run_arguments(parser, VARIANTS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(args.child, args.device)))
@@ -151,12 +149,7 @@ def main() -> None:
         "fresh inductor cache."
     )
     markdown = f"{header}\n\n{table(summary, args.variants)}\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.device == "cpu" else f"_{args.device}"
-    (args.out / f"real_model{suffix}.md").write_text(markdown)
-    (args.out / f"real_model{suffix}.json").write_text(
-        json.dumps({"runs": runs, "medians": summary}, indent=1)
-    )
+    save_results(args.out, "real_model", args.device, markdown, {"runs": runs, "medians": summary})
     print(markdown)
 
 

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from compile_time import save_results
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "resume_run.py"
 
@@ -87,12 +89,7 @@ def main() -> None:
     size = statistics.median(run["checkpoint_kb"]["first_step_s"] for run in runs)
     lines.append(f"\nCheckpoint size with artifacts: {size:.0f} KB.")
     markdown = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.device == "cpu" else f"_{args.device}"
-    (args.out / f"warm_start{suffix}.md").write_text(markdown)
-    (args.out / f"warm_start{suffix}.json").write_text(
-        json.dumps({"runs": runs, "medians": first}, indent=1)
-    )
+    save_results(args.out, "warm_start", args.device, markdown, {"runs": runs, "medians": first})
     print(markdown)
 
 
