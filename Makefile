@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow lint demo bench gpu-check clean
+.PHONY: install test test-torch test-slow lint demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -20,6 +20,19 @@ lint: install
 
 test: lint
 	$(VENV)/bin/pytest
+
+# The whole suite on another torch, in a venv of its own (.venv-torch-...), with the
+# project installed with its dependencies beside it:
+#   make test-torch TORCH=2.15.0 [LIGHTNING=2.6.0] [TRANSFORMERS=5.0.0]
+TORCH ?= 2.15.0
+TORCH_PINS := torch==$(TORCH) $(if $(LIGHTNING),lightning==$(LIGHTNING)) \
+	$(if $(TRANSFORMERS),transformers==$(TRANSFORMERS))
+TORCH_VENV := .venv-torch-$(TORCH)$(if $(LIGHTNING),-lightning-$(LIGHTNING))$(if \
+	$(TRANSFORMERS),-transformers-$(TRANSFORMERS))
+
+test-torch:
+	bash .ci/venv $(TORCH_VENV) $(TORCH_PINS)
+	$(TORCH_VENV)/bin/pytest
 
 test-slow: install
 	$(VENV)/bin/pytest -m slow
@@ -42,4 +55,4 @@ gpu-check:
 	PYTHONPATH=. $(GPU_PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-torch-* .pytest_cache .ruff_cache .hypothesis

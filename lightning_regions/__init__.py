@@ -6,17 +6,14 @@ and ``"regional_compile_fsdp"`` strategy names with Lightning's ``StrategyRegist
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .compat import require_torch_apis
-
-require_torch_apis()  # before anything touches torch's private names
-
-from .cache import CacheArtifactsIgnoredWarning  # noqa: E402
-from .compile import compile_regions, end_observation  # noqa: E402
-from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy  # noqa: E402
-from .graph import ModuleGraph, snapshot  # noqa: E402
-from .nested import NestedRegionError  # noqa: E402
-from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions  # noqa: E402
-from .report import (  # noqa: E402
+from . import compat  # noqa: F401  # checks torch's private names before anything uses them
+from .cache import CacheArtifactsIgnoredWarning
+from .compile import compile_regions, end_observation
+from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy
+from .graph import ModuleGraph, snapshot
+from .nested import NestedRegionError
+from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
+from .report import (
     PerInstanceRecompileWarning,
     RegionNotCompiledWarning,
     RegionReport,
@@ -24,10 +21,10 @@ from .report import (  # noqa: E402
     warn_if_not_compiled,
     warn_per_instance_recompiles,
 )
-from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register  # noqa: E402
-from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError  # noqa: E402
-from .tracking import RegionCompileError, RegionCompileWarning  # noqa: E402
-from .watch import RecompileStormWarning  # noqa: E402
+from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register
+from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError
+from .tracking import RegionCompileError, RegionCompileWarning
+from .watch import RecompileStormWarning
 
 register()
 RegionalCompileFSDPStrategy.register_strategies(StrategyRegistry)

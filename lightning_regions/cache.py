@@ -34,8 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import cache_dir
-from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager
+
+from .compat import (
+    CacheArtifactManager,
+    clear_inductor_caches,
+    inductor_cache_dir,
+    registered_artifact_types,
+)
 
 CHECKPOINT_KEY = "lightning_regions_compile_cache"
 #: The environment variable that holds the signing secret itself (clusters).
@@ -86,7 +91,11 @@ def sign(guard: dict[str, str], artifacts: bytes, key: bytes | None = None) -> s
 
 
 #: Where torch's ``populate_cache`` writes each registered artifact type, as a path
-#: relative to inductor's cache directory, given the artifact's key (torch 2.13):
+#: relative to inductor's cache directory, given the artifact's key (read from torch
+#: 2.11 to 2.15, the same in each; a test populates every registered type into a fresh
+#: directory and checks it against this table). torch 2.13's inductor artifact also
+#: unpickles its content to emit a triton bundle, one more reason only signed artifacts
+#: are loaded:
 #: - ``inductor``: ``InductorCacheArtifact`` -> ``FxGraphCache._write_to_local_cache``
 #:   writes ``fxgraph/<key[1:3]>/<key>/<sha256>`` (``FxGraphCache._get_tmp_dir_for_key``);
 #: - ``aot_autograd``: ``AOTAutogradCacheArtifact`` -> ``AOTAutogradCache._write_to_local_cache``
@@ -140,7 +149,7 @@ def check_artifacts(artifacts: bytes, cache_root: str) -> Any:
     parsed = CacheArtifactManager.deserialize(artifacts)
     if parsed is None:
         raise CacheArtifactsRefusedError("Compile-cache artifacts are not in torch's format.")
-    registered = set(CacheArtifactFactory._artifact_types)
+    registered = registered_artifact_types()
     for artifact_type, entries in parsed.items():
         if artifact_type not in registered:
             raise CacheArtifactsRefusedError(
@@ -157,7 +166,7 @@ def use_cache_dir(directory: str | os.PathLike[str]) -> str | None:
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     Path(directory).mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(directory).resolve())
-    torch._inductor.utils.clear_caches()  # drop paths torch memoised for the old directory
+    clear_inductor_caches()  # drop paths torch memoised for the old directory
     return previous
 
 
@@ -166,7 +175,7 @@ def restore_cache_dir(previous: str | None) -> None:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     else:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
-    torch._inductor.utils.clear_caches()
+    clear_inductor_caches()
 
 
 def artifact_guard(device_type: str, compile_options: dict[str, Any]) -> dict[str, str]:
@@ -218,7 +227,7 @@ def unpack_artifacts(
     if differences:
         return _ignored("; ".join(differences))
     try:
-        parsed = check_artifacts(artifacts, cache_dir())  # TORCHINDUCTOR_CACHE_DIR
+        parsed = check_artifacts(artifacts, inductor_cache_dir())  # TORCHINDUCTOR_CACHE_DIR
     except CacheArtifactsRefusedError as refused:
         return _ignored(str(refused))  # checked whole first: nothing is half-loaded
     try:

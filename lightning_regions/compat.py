@@ -1,19 +1,38 @@
-"""The torch APIs we rely on that torch does not promise to keep, checked once at import.
+"""torch's private names and version differences: the one place that knows them.
 
-A torch without one of them fails here, naming the version, the API and what it is for,
-instead of with an ``AttributeError`` deep in a training run.
+Two tables:
+
+- ``PRIVATE_APIS``: every torch name we use that torch does not promise to keep. They
+  are checked once at import, so a torch without one fails here, naming the version,
+  the API and what it is for, instead of with an ``AttributeError`` deep in a run. The
+  rest of the package reaches them through this module only.
+- ``TORCH_GATES``: every place where we work around a torch bug or answer a difference
+  between torch releases, with the releases it applies to (as measured, each by a test
+  that runs on every torch CI runs), what torch does, and what we do about it.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-#: The range ``setup.cfg`` declares; 2.13 is the one the test suite runs on.
-SUPPORTED_TORCH = ">=2.7,<2.14"
+#: The range ``setup.cfg`` declares. CI runs the suite on the oldest and the newest
+#: release of it and on the pinned default (``TESTED_TORCH``).
+SUPPORTED_TORCH = ">=2.11,<2.16"
+#: Where the suite has passed: 2.13.0 (``make test``, the pinned CPU wheel), 2.11.0
+#: and 2.15.0 (``make test-torch``, CI), 2.14.1 (by hand). The gates below were also
+#: measured on 2.12.1.
+TESTED_TORCH = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
-#: (module, attribute, what we use it for)
+#: This torch's release, without a local build tag (``2.15.0+cu132`` -> ``2.15.0``).
+TORCH_RELEASE = Version(torch.__version__.split("+")[0]).base_version
+
+#: (module, attribute or dotted attribute path, what we use it for)
 PRIVATE_APIS = (
     ("torch", "_TorchCompileInductorWrapper", "the tracking backend around inductor"),
     ("torch", "_TorchCompileWrapper", "the tracking backend around other backends"),
@@ -23,13 +42,21 @@ PRIVATE_APIS = (
     ("torch._dynamo.exc", "SkipFrame", "passing dynamo's control flow through"),
     ("torch._dynamo.exc", "exceptions_allowed_to_be_fallback", "passing graph breaks through"),
     ("torch._dynamo.utils", "get_compilation_metrics", "counting recompiles"),
+    ("torch._dynamo.utils", "counters", "counting graph breaks"),
     ("torch.fx._lazy_graph_module", "_LazyGraphModule", "calling graphs as dynamo does"),
     ("torch._inductor.utils", "clear_caches", "switching the cache directory"),
+    ("torch._inductor", "list_mode_options", "inductor options of a mode"),
     ("torch.compiler", "save_cache_artifacts", "compile artifacts in checkpoints"),
     ("torch.compiler._cache", "CacheArtifactManager", "checking artifacts before loading"),
-    ("torch.compiler._cache", "CacheArtifactFactory", "checking artifact types"),
+    ("torch.compiler._cache", "CacheArtifactFactory._artifact_types", "checking artifact types"),
+    (
+        "torch.compiler._cache",
+        "CacheArtifactManager._ensure_cache_artifacts_registered",
+        "knowing every artifact type",
+    ),
     ("torch._inductor.runtime.cache_dir_utils", "cache_dir", "where artifacts would land"),
     ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
+    ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
 )
 
 
@@ -38,10 +65,12 @@ def missing_torch_apis() -> list[str]:
     missing = []
     for module_name, attribute, purpose in PRIVATE_APIS:
         try:
-            module = importlib.import_module(module_name)
+            found: Any = importlib.import_module(module_name)
         except ImportError:
-            module = None
-        if module is None or not hasattr(module, attribute):
+            found = None
+        for name in attribute.split("."):
+            found = getattr(found, name, None)
+        if found is None:
             missing.append(f"{module_name}.{attribute} ({purpose})")
     return missing
 
@@ -54,3 +83,175 @@ def require_torch_apis() -> None:
             f"lightning_regions needs torch{SUPPORTED_TORCH}; this torch {torch.__version__} "
             f"lacks: {'; '.join(missing)}."
         )
+
+
+require_torch_apis()  # before the imports below touch any of them
+
+# The private names, for the rest of the package.
+from torch._dynamo import exc as _dynamo_exc  # noqa: E402
+from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
+from torch._dynamo.utils import get_compilation_metrics  # noqa: E402
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir  # noqa: E402
+from torch._inductor.utils import clear_caches as clear_inductor_caches  # noqa: E402
+from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager  # noqa: E402
+from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule  # noqa: E402
+
+__all__ = [
+    "CacheArtifactFactory",
+    "CacheArtifactManager",
+    "LazyGraphModule",
+    "OptimizedModule",
+    "clear_inductor_caches",
+    "dynamo_counters",
+    "get_compilation_metrics",
+    "inductor_cache_dir",
+]
+
+
+@dataclass(frozen=True)
+class TorchGate:
+    """A torch behaviour that only some releases have, and what we do about it.
+
+    ``releases`` is a version specifier over torch releases (``">=2.13"``), measured on
+    2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0, and checked by ``test`` on every torch CI
+    runs.
+    """
+
+    releases: str
+    torch_does: str
+    we_do: str
+    test: str
+
+    @property
+    def applies(self) -> bool:
+        """True on this torch."""
+        return TORCH_RELEASE in SpecifierSet(self.releases)
+
+
+NESTED_BACKWARD_BUFFER_REUSE = TorchGate(
+    releases=">=2.8",  # every torch with nested_compile_region; not fixed in 2.15.0
+    torch_does=(
+        "inductor reuses buffers across the calls of a nested region's backward, so a later "
+        "call reads what an earlier one overwrote: wrong gradients, right outputs. Measured, "
+        "max gradient error against eager: a Linear, 3 Linear+tanh nested blocks, LayerNorm "
+        "and a Linear head 4.3e-2 on 2.13.0, 2.14.1 and 2.15.0 (right on 2.11.0 and 2.12.1); "
+        "the same without the LayerNorm 1.6e-1 on 2.11.0 to 2.14.1 (right on 2.15.0); the "
+        "tiny GPT at depth 4: 22 on 2.13.0 and 2.15.0"
+    ),
+    we_do=(
+        "graphs holding nested regions are compiled with allow_buffer_reuse=False "
+        "(nested.NESTED_INDUCTOR_OPTIONS): gradients equal eager's on every one"
+    ),
+    test="tests/test_nested.py::test_torch_still_needs_buffer_reuse_off_for_nested_regions",
+)
+
+BACKEND_INDEX_ERROR_REACHES_USER = TorchGate(
+    releases=">=2.13",
+    torch_does=(
+        "OutputGraph._call_user_compiler re-raises an IndexError from the backend untouched "
+        "(2.11 and 2.12 wrap it in BackendCompilerFailed)"
+    ),
+    we_do="pass IndexError through the tracking backend on these releases only",
+    test="tests/test_dynamo_passthrough.py::test_the_reraised_group_is_the_one_torch_reraises",
+)
+
+FLOAT_ATTRIBUTE_SYMBOLIC_AFTER_FIRST_CHANGE = TorchGate(
+    releases=">=2.13",
+    torch_does=(
+        "a float attribute that differs per instance is compiled as a constant for the "
+        "first instance and symbolic from the second: 2 graphs whatever the depth. 2.11 and "
+        "2.12 specialise it again for every instance after dynamo's tensorify restart, "
+        "until the recompile limit leaves the rest eager (12 layers: 8 graphs, 4 eager)"
+    ),
+    we_do=(
+        "nothing differs in our code: the report counts the graphs either way and names the "
+        "attribute with the fix (a tensor buffer)"
+    ),
+    test="tests/test_per_instance.py::test_a_drop_path_float_schedule_is_reported_with_its_cost",
+)
+
+SPECIALISED_FLOAT_GUARD_WITHOUT_SOURCE = TorchGate(
+    releases="<2.13",
+    torch_does=(
+        "a float specialised after the tensorify restart is recorded without the user's "
+        "line: 2.11 writes `___as_tensor(self.scale).item() == 0.1  # (unknown source ...)`, "
+        "2.12 `self.scale == 0.1  # (_dynamo/output_graph.py:3205 in "
+        "remove_tensorify_specialized_graphargs)`; 2.13+ `self.scale == 0.1  # <the line>`"
+    ),
+    we_do="watch.parse_guard reads each form as the attribute's guard, with no source line",
+    test="tests/test_per_instance.py::test_recompile_reasons_parse_into_guard_source_and_location",
+)
+
+NESTED_REUSE_LIMIT = TorchGate(
+    releases=">=2.12",
+    torch_does=(
+        "a nested region whose guards fail per instance is traced again per call until "
+        "torch's reuse limit (8), then compiling fails ('exceeded maximum reuse entries'). "
+        "2.11 has no limit: it traces every instance's block, silently, so the cost grows "
+        "with depth"
+    ),
+    we_do=(
+        "the limit's error becomes a NestedRegionError naming the regions and the fix; "
+        "without the limit, the report counts traced and reused calls and warns "
+        "(PerInstanceRecompileWarning) when instances of a class are traced apart"
+    ),
+    test="tests/test_nested.py::test_torchs_limits_raise_naming_the_regions_and_the_fix",
+)
+
+TORCH_GATES: dict[str, TorchGate] = {
+    "nested_backward_buffer_reuse": NESTED_BACKWARD_BUFFER_REUSE,
+    "backend_index_error_reaches_user": BACKEND_INDEX_ERROR_REACHES_USER,
+    "float_attribute_symbolic_after_first_change": FLOAT_ATTRIBUTE_SYMBOLIC_AFTER_FIRST_CHANGE,
+    "specialised_float_guard_without_source": SPECIALISED_FLOAT_GUARD_WITHOUT_SOURCE,
+    "nested_reuse_limit": NESTED_REUSE_LIMIT,
+}
+
+
+def dynamo_reraised_exceptions() -> tuple[type[BaseException], ...]:
+    """What dynamo re-raises from a backend call untouched, on this torch: its restart of
+    the analysis with a float specialised, its traceback shortening, a request to skip the
+    frame, and (``BACKEND_INDEX_ERROR_REACHES_USER``) IndexError."""
+    reraised: tuple[type[BaseException], ...] = (
+        _dynamo_exc.TensorifyScalarRestartAnalysis,
+        _dynamo_exc.ShortenTraceback,
+        _dynamo_exc.SkipFrame,
+    )
+    if BACKEND_INDEX_ERROR_REACHES_USER.applies:
+        reraised += (IndexError,)
+    return reraised
+
+
+def dynamo_graph_break_exceptions() -> tuple[type[BaseException], ...]:
+    """Backend exceptions dynamo turns into a graph break with a warning."""
+    return tuple(_dynamo_exc.exceptions_allowed_to_be_fallback)
+
+
+def compile_wrapper(
+    backend: Any, mode: str | None, options: dict[str, Any] | None, dynamic: bool | None
+) -> Any:
+    """What ``torch.compile`` builds around ``backend`` (its private wrapper classes)."""
+    if backend == "inductor":
+        return torch._TorchCompileInductorWrapper(mode or "default", options, dynamic)
+    return torch._TorchCompileWrapper(backend, mode or "default", options, dynamic)
+
+
+def inductor_modes() -> list[str]:
+    """The names ``torch.compile(mode=...)`` takes."""
+    return sorted(torch._inductor.list_mode_options())
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """The inductor options ``mode`` stands for."""
+    return dict(torch._inductor.list_mode_options(mode))
+
+
+def registered_artifact_types() -> set[str]:
+    """The compile-cache artifact types this torch registers (all of them imported)."""
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    return set(CacheArtifactFactory._artifact_types)
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config``, the module whose flags we read and set."""
+    return torch._dynamo.config

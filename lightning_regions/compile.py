@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
+from .compat import OptimizedModule, inductor_modes
 from .graph import unwrap
 from .nested import inductor_options_for_nested, mark_nested, validate_granularity
 from .regions import RegionPlan, Selectors, find_regions, nest_plan
@@ -306,14 +306,14 @@ def validate_compile_arguments(
 ) -> None:
     """Raise ``ValueError``, naming the value and the fix, for arguments torch would refuse."""
     if not callable(backend):
-        known = torch._dynamo.list_backends(exclude_tags=())
+        known = torch.compiler.list_backends(exclude_tags=())
         if backend not in known:
             raise ValueError(f"Unknown torch.compile backend {backend!r}. Known backends: {known}.")
     if mode is not None and options is not None:
         raise ValueError("Pass either mode= or options=, not both (a torch.compile rule).")
     if mode is None:
         return
-    known_modes = sorted(torch._inductor.list_mode_options())
+    known_modes = inductor_modes()
     if mode not in known_modes:
         raise ValueError(f"Unknown torch.compile mode {mode!r}. Known modes: {known_modes}.")
     if backend != "inductor":

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.fsdp import FSDPModule
 
+from .compat import OptimizedModule
 from .nested import original_class
 
 #: Path segments added by wrappers, not by the model: ``torch.compile`` registers the

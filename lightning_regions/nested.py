@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compat import NESTED_BACKWARD_BUFFER_REUSE, inductor_mode_options
+
 GRANULARITIES = ("regions", "nested")
 #: On a marked subclass: the class it marks.
 MARKED_FROM = "_lightning_regions_nested_of"
@@ -84,19 +86,20 @@ def mark_nested(module: nn.Module) -> nn.Module:
     return module
 
 
-#: Inductor options for a graph that holds nested regions. torch 2.13's inductor reuses
-#: buffers across the calls of a nested region's backward so that a later call reads
-#: what an earlier one overwrote: silently wrong gradients, right outputs (measured on
-#: CPU: a Linear+tanh block called 3 times, max gradient error 0.49; the tiny GPT at
-#: depth 4, 22). Turning off buffer reuse gives gradients equal to eager in both;
-#: turning off only in-place buffers fixes the first and not the second.
-NESTED_INDUCTOR_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False}
+#: Inductor options for a graph that holds nested regions, on the torch releases where
+#: inductor reuses buffers across the calls of a nested region's backward (silently
+#: wrong gradients, right outputs; ``compat.NESTED_BACKWARD_BUFFER_REUSE`` has the
+#: releases and the measurements). Turning off buffer reuse gives gradients equal to
+#: eager in every case measured; turning off only in-place buffers does not.
+NESTED_INDUCTOR_OPTIONS: dict[str, Any] = (
+    {"allow_buffer_reuse": False} if NESTED_BACKWARD_BUFFER_REUSE.applies else {}
+)
 
 
 def inductor_options_for_nested(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
     """``mode``'s and ``options``' inductor settings with ``NESTED_INDUCTOR_OPTIONS`` on
     top, as one ``options`` dict (torch.compile takes a mode or options, not both)."""
-    merged = dict(torch._inductor.list_mode_options(mode or "default"))
+    merged = inductor_mode_options(mode or "default")
     return {**merged, **(options or {}), **NESTED_INDUCTOR_OPTIONS}
 
 
@@ -163,15 +166,20 @@ def _module_path(source: str) -> str:
     return path.lstrip(".")
 
 
+#: What removes a nested region traced again per instance.
+NESTED_TRACED_APART_FIX = (
+    "store per-instance numbers as tensor buffers (register_buffer) or make them the "
+    "same on every instance (TORCH_LOGS=+hierarchical_compile names the guard), or use "
+    "granularity='regions'"
+)
+
 #: torch's failures of nested regions: what to look for in the error, what it means, the fix.
 NESTED_FAILURES = (
     (
         ("maximum reuse entries",),
         "an attribute differs on every instance (a number such as a layer index or a "
         "scale), so torch traced the block again for each one until its reuse limit",
-        "store per-instance numbers as tensor buffers (register_buffer) or make them the "
-        "same on every instance (TORCH_LOGS=+hierarchical_compile names the guard), or use "
-        "granularity='regions'",
+        NESTED_TRACED_APART_FIX,
     ),
     (
         ("aliasing",),

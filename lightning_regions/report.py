@@ -11,11 +11,12 @@ import re
 import warnings
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
+from .compat import dynamo_config
 from .compile import tracker_of
 from .graph import join
+from .nested import NESTED_TRACED_APART_FIX
 from .regions import Region, RegionPlan
 from .tracking import RegionStats
 from .watch import ClassRecompiles, Guard, graph_breaks, parse_guard
@@ -70,8 +71,15 @@ class PerInstanceRecompiles:
     limit_hits: int
     guards: tuple[Guard, ...]
     fix: str
+    nested: bool = False  # nested regions traced apart, not graphs compiled apart
 
     def __str__(self) -> str:
+        if self.nested:
+            return (
+                f"nested {self.class_name}: {self.graphs} of {self.instances} instances traced a "
+                "block of their own instead of reusing one, so the compile grows with depth "
+                f"(torch records no guard for it). Fix: {self.fix}"
+            )
         eager = (
             f", {self.instances_eager} left eager (recompile-limit hits {self.limit_hits})"
             if self.instances_eager or self.limit_hits
@@ -214,7 +222,7 @@ def region_report(model: nn.Module) -> RegionReport:
         whole_model=plan.whole_model,
         recompiles=recompiles,
         graph_breaks=graph_breaks(),
-        per_instance=per_instance_recompiles(rows, recompiles),
+        per_instance=per_instance_recompiles(rows, recompiles) + nested_traced_apart(rows),
     )
 
 
@@ -302,6 +310,32 @@ def per_instance_recompiles(
     return tuple(found)
 
 
+def nested_traced_apart(rows: tuple[RegionRow, ...]) -> tuple[PerInstanceRecompiles, ...]:
+    """Nested region classes of which more instances traced a block of their own than
+    torch's symbolic-after-first-change bound: torch without a reuse limit
+    (``compat.NESTED_REUSE_LIMIT``) traces every instance whose guards differ."""
+    found = []
+    for class_name, (_calls, traced, _reused) in _nested_by_class(
+        tuple(row for row in rows if row.nested_in)
+    ).items():
+        if traced > SYMBOLIC_AFTER_FIRST_CHANGE:
+            instances = sum(1 for row in rows if row.nested_in and row.class_name == class_name)
+            found.append(
+                PerInstanceRecompiles(
+                    class_name=class_name,
+                    instances=instances,
+                    instances_compiled=traced,
+                    instances_eager=0,
+                    graphs=traced,
+                    limit_hits=0,
+                    guards=(),
+                    fix=NESTED_TRACED_APART_FIX,
+                    nested=True,
+                )
+            )
+    return tuple(found)
+
+
 def _distinct_guards(reasons: list[str]) -> tuple[Guard, ...]:
     """Guards not on a tensor input, one per shape (``layers[7]`` and ``layers[6]`` are one)."""
     distinct: dict[str, Guard] = {}
@@ -340,7 +374,7 @@ def fix_for(guard: Guard, bounded: bool = False) -> str:
             "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
             "symbolic int after the first change; or store it as a tensor buffer."
         )
-    if number and torch._dynamo.config.specialize_float:
+    if number and dynamo_config().specialize_float:
         return (
             "a per-instance float attribute, specialised because "
             "torch._dynamo.config.specialize_float is True; set it False (torch's default) "

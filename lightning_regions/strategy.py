@@ -17,7 +17,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch._dynamo.eval_frame import OptimizedModule
 
 from .cache import (
     CHECKPOINT_KEY,
@@ -27,6 +26,7 @@ from .cache import (
     unpack_artifacts,
     use_cache_dir,
 )
+from .compat import OptimizedModule, dynamo_config
 from .compile import (
     compile_regions,
     end_observation,
@@ -64,15 +64,15 @@ class UnspecializedModuleInts:
     @classmethod
     def acquire(cls) -> None:
         if cls.holders == 0:
-            cls.previous = torch._dynamo.config.allow_unspec_int_on_nn_module
-            torch._dynamo.config.allow_unspec_int_on_nn_module = True
+            cls.previous = dynamo_config().allow_unspec_int_on_nn_module
+            dynamo_config().allow_unspec_int_on_nn_module = True
         cls.holders += 1
 
     @classmethod
     def release(cls) -> None:
         cls.holders -= 1
         if cls.holders == 0:
-            torch._dynamo.config.allow_unspec_int_on_nn_module = cls.previous
+            dynamo_config().allow_unspec_int_on_nn_module = cls.previous
 
 
 class RegionalCompileBase:

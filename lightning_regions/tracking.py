@@ -32,9 +32,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo import exc as dynamo_exc
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from .compat import (
+    LazyGraphModule,
+    compile_wrapper,
+    dynamo_graph_break_exceptions,
+    dynamo_reraised_exceptions,
+)
 from .graph import unwrap
 from .nested import GraphNesting, explain_nested_failure, graph_nesting
 from .regions import RegionPlan
@@ -45,19 +49,11 @@ COMPILE_ERROR_POLICIES = ("raise", "eager")
 #: Calls of each region observed by ``compile_regions`` before observation ends.
 OBSERVED_CALLS = 8
 
-#: Exceptions dynamo itself re-raises from a backend call, untouched: its restart of
-#: the analysis with a float specialised, its traceback shortening, IndexError and a
-#: request to skip the frame (``OutputGraph._call_user_compiler``, torch 2.13).
-DYNAMO_RERAISES: tuple[type[BaseException], ...] = (
-    dynamo_exc.TensorifyScalarRestartAnalysis,
-    dynamo_exc.ShortenTraceback,
-    IndexError,
-    dynamo_exc.SkipFrame,
-)
+#: Exceptions dynamo itself re-raises from a backend call, untouched, on this torch
+#: (``OutputGraph._call_user_compiler``; see ``compat.dynamo_reraised_exceptions``).
+DYNAMO_RERAISES = dynamo_reraised_exceptions()
 #: Exceptions dynamo turns into a graph break with a warning, as torch defines them.
-DYNAMO_GRAPH_BREAKS: tuple[type[BaseException], ...] = tuple(
-    dynamo_exc.exceptions_allowed_to_be_fallback
-)
+DYNAMO_GRAPH_BREAKS = dynamo_graph_break_exceptions()
 #: Not a region's compile failure: passed through so torch does what it does without us.
 PASSED_TO_DYNAMO = DYNAMO_RERAISES + DYNAMO_GRAPH_BREAKS
 
@@ -103,7 +99,7 @@ def _running() -> RegionStats | None:
 class GraphHook:
     """One compiled graph's counting wrapper, and how to take it off the call path.
 
-    Dynamo installs what a backend returns, wrapped by ``torch._dynamo.disable``, as a
+    Dynamo installs what a backend returns, wrapped by ``torch.compiler.disable``, as a
     ``__compiled_fn_*`` global of the frame it compiled. Once located, that global can
     be switched between the counting wrapper and a plain ``disable`` of the graph.
     """
@@ -126,7 +122,7 @@ class GraphHook:
             if name.startswith("__compiled_fn") and (
                 getattr(value, "_torchdynamo_orig_callable", None) is self.counting
             ):
-                plain = torch._dynamo.disable(self.compiled, reason="dynamo-compiled graph")
+                plain = torch.compiler.disable(self.compiled, reason="dynamo-compiled graph")
                 plain._lightning_regions_hook = self  # keeps this hook alive while unhooked
                 self.scope, self.name, self.hooked, self.plain = frame.f_globals, name, value, plain
                 return
@@ -213,16 +209,17 @@ class TrackingBackend:
 
 
 def _real_forward(compiled: CompiledFn) -> CompiledFn:
-    """What dynamo calls for a lazily recompiled ``GraphModule`` it can see (torch 2.13's
-    ``compile_and_call_fx_graph``): its real ``forward``, not ``_lazy_forward``, which
-    checks for a pending recompile on every call. Our wrapper hides it, so do it here."""
-    lazy = compiled if isinstance(compiled, _LazyGraphModule) else None
+    """What dynamo calls for a lazily recompiled ``GraphModule`` it can see (torch's
+    ``OutputGraph.compile_and_call_fx_graph``, the same from 2.11 to 2.15): its real
+    ``forward``, not ``_lazy_forward``, which checks for a pending recompile on every call.
+    Our wrapper hides it, so do it here."""
+    lazy = compiled if isinstance(compiled, LazyGraphModule) else None
     owner = getattr(compiled, "__self__", None)
-    if isinstance(owner, _LazyGraphModule) and getattr(compiled, "__name__", "") == "_lazy_forward":
+    if isinstance(owner, LazyGraphModule) and getattr(compiled, "__name__", "") == "_lazy_forward":
         lazy = owner
     if lazy is None:
         return compiled
-    _LazyGraphModule.force_recompile(lazy)
+    LazyGraphModule.force_recompile(lazy)
     return compiled if compiled is lazy else lazy.forward
 
 
@@ -311,10 +308,7 @@ def tracking_backend(
     dynamic: bool | None,
 ) -> TrackingBackend:
     """The process-wide tracking backend around what ``torch.compile`` would build."""
-    if backend == "inductor":
-        inner = torch._TorchCompileInductorWrapper(mode or "default", options, dynamic)
-    else:
-        inner = torch._TorchCompileWrapper(backend, mode or "default", options, dynamic)
+    inner = compile_wrapper(backend, mode, options, dynamic)
     for existing in _BACKENDS:
         if existing.inner == inner:
             return existing

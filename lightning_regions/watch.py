@@ -16,9 +16,9 @@ import warnings
 from dataclasses import dataclass, field
 from types import CodeType
 
-import torch
 from torch import nn
 
+from .compat import dynamo_counters, get_compilation_metrics
 from .graph import unwrap
 from .regions import RegionPlan
 from .trampolines import existing_trampoline
@@ -67,7 +67,7 @@ class RecompileWatch:
         self.plan = plan
         self.by_code: dict[CodeKey, ClassRecompiles] = {}
         self.by_frame: dict[str, ClassRecompiles] = {}
-        self._seen = {_entry_id(m) for m in torch._dynamo.utils.get_compilation_metrics()}
+        self._seen = {_entry_id(m) for m in get_compilation_metrics()}
 
     @property
     def classes(self) -> list[ClassRecompiles]:
@@ -86,7 +86,7 @@ class RecompileWatch:
     def refresh(self) -> list[ClassRecompiles]:
         """Count the compiles torch recorded since the last refresh."""
         self._index_codes()
-        for metrics in torch._dynamo.utils.get_compilation_metrics():
+        for metrics in get_compilation_metrics():
             if _entry_id(metrics) in self._seen:
                 continue
             self._seen.add(_entry_id(metrics))
@@ -144,12 +144,18 @@ class Guard:
 
 def parse_guard(reason: str) -> Guard:
     """The first guard failure of a ``recompile_reason``: ``"0/7: <guard>  # <source line>
-    # <file>:<line> in <function> (HINT...)"``, as torch 2.13 writes it."""
+    # <file>:<line> in <function> (HINT...)"``, as torch 2.11 to 2.15 write it. A float
+    that torch < 2.13 specialised after its tensorify restart is written without the
+    user's line (``compat.SPECIALISED_FLOAT_GUARD_WITHOUT_SOURCE``): ``___as_tensor(
+    self.scale).item() == 0.1`` is read as ``self.scale == 0.1``, and torch's own
+    ``(file:line in function)`` in place of the source line is dropped."""
     first = reason.strip().splitlines()[0] if reason.strip() else ""
     first = re.sub(r"^\d+/\d+: ", "", first)
     parts = [part.strip() for part in first.split("  # ")]
+    expression = re.sub(r"___as_tensor\(([\w.\[\]'\"]+)\)\.item\(\)", r"\1", parts[0])
+    source = parts[1] if len(parts) > 1 and not parts[1].startswith("(") else ""
     location = re.sub(r"\s*\(HINT:.*$", "", parts[2]) if len(parts) > 2 else ""
-    return Guard(parts[0], parts[1] if len(parts) > 1 else "", location)
+    return Guard(expression, source, location)
 
 
 #: How dynamo names a backend exception it turned into a graph break in its counters.
@@ -159,7 +165,7 @@ BACKEND_GRAPH_BREAK = "Backend compiler exception"
 def graph_breaks() -> int:
     """Graph breaks dynamo counted in this process, including the backend exceptions it
     turned into graph breaks (counted under ``unimplemented``, not ``graph_break``)."""
-    counters = torch._dynamo.utils.counters
+    counters = dynamo_counters
     from_backend = sum(
         count
         for reason, count in counters["unimplemented"].items()

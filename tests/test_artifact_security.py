@@ -4,7 +4,9 @@ outside the cache directory, and the user's own artifacts still give a warm star
 from __future__ import annotations
 
 import os
+import pickle
 import stat
+import types
 import warnings
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from torch.utils._appending_byte_serializer import AppendingByteSerializer
 from examples.lightning_gpt import GPTModule
 from lightning_regions import RegionalCompileStrategy
 from lightning_regions.cache import (
+    ARTIFACT_LANDING,
     CHECKPOINT_KEY,
     KEY_ENVIRONMENT_VARIABLE,
     CacheArtifactsIgnoredWarning,
@@ -29,6 +32,7 @@ from lightning_regions.cache import (
     sign,
     unpack_artifacts,
 )
+from lightning_regions.compat import clear_inductor_caches, registered_artifact_types
 
 
 class MakesADirectory:
@@ -43,8 +47,6 @@ class MakesADirectory:
 
 def malicious_artifacts(marker: Path, outside: Path) -> bytes:
     """torch-serialised artifacts: a code-running pickle under an absolute-path key."""
-    import pickle
-
     from torch.compiler._cache import _serialize_single_cache
 
     CacheArtifactManager._ensure_cache_artifacts_registered()
@@ -157,6 +159,44 @@ def test_torch_s_own_layouts_land_inside_the_cache_directory(
     assert landing == str((tmp_path / lands_at).resolve())
 
 
+#: A key of each registered type, as torch makes them.
+SAMPLE_KEYS = {
+    "inductor": "fabcdef",
+    "aot_autograd": "aabcdef",
+    "autotune": AUTOTUNE_KEY,
+    "precompile": "source_id",
+    "pgo": "mast:job/1",
+}
+
+
+def test_every_type_this_torch_registers_lands_where_the_table_says(tmp_path, monkeypatch):
+    """Asks torch itself: each registered type's ``populate_cache`` writes into a fresh
+    cache directory, and every file must lie where ``ARTIFACT_LANDING`` says (the file
+    itself, or beside it: torch names the entry by a hash, PGO adds .tmp and .lock).
+    A torch that adds a type, or moves one, fails here before it meets a user's resume."""
+    registered = registered_artifact_types()
+    assert registered == set(ARTIFACT_LANDING), (
+        f"torch {torch.__version__} registers {sorted(registered)}; cache.ARTIFACT_LANDING "
+        f"knows {sorted(ARTIFACT_LANDING)}: read the new type's populate_cache and add it"
+    )
+    for artifact_type in sorted(registered):
+        root = tmp_path / artifact_type
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root))
+        clear_inductor_caches()
+        key = SAMPLE_KEYS[artifact_type]
+        # torch 2.13's inductor artifact unpickles its content to emit a triton bundle
+        content = pickle.dumps(types.SimpleNamespace(_triton_bundle=None))
+        artifact = CacheArtifactFactory.create(artifact_type, key, content)
+        with torch._dynamo.config.patch(automatic_dynamic_local_pgo=True):
+            artifact.populate_cache()
+        landing = Path(artifact_landing(artifact_type, key, str(root)))
+        written = [path for path in root.rglob("*") if path.is_file()]
+        assert written, artifact_type
+        for path in written:
+            assert path == landing or path.parent == landing.parent, (artifact_type, path)
+    clear_inductor_caches()
+
+
 @pytest.mark.parametrize(
     ("artifact_type", "key"),
     [
@@ -186,10 +226,13 @@ def test_a_symlink_inside_the_cache_directory_does_not_lead_outside(tmp_path):
 
 def test_torch_failing_to_populate_is_one_warning_and_a_cold_start(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    # torch's PGO artifact refuses to populate when local PGO is off (an AssertionError)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_local_pgo", False)
+    # torch's PGO artifact refuses to populate when local PGO is off (an AssertionError).
+    # torch's own patch: pytest's monkeypatch deletes a torch config entry on undo.
     payload = signed(one_artifact("pgo", "code", b"pgo state"))
-    with pytest.warns(CacheArtifactsIgnoredWarning, match="torch failed to populate") as seen:
+    with (
+        torch._dynamo.config.patch(automatic_dynamic_local_pgo=False),
+        pytest.warns(CacheArtifactsIgnoredWarning, match="torch failed to populate") as seen,
+    ):
         assert unpack_artifacts(payload, guard()) is False
     assert len(seen) == 1
 
