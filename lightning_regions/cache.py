@@ -161,13 +161,54 @@ def check_artifacts(artifacts: bytes, cache_root: str) -> Any:
     return parsed
 
 
+def is_local_path(root: str) -> bool:
+    """False for a URL such as ``s3://bucket/run`` or ``memory://run`` (``file://`` is local)."""
+    return "://" not in root or root.startswith("file://")
+
+
+def run_cache_dir_for(root: str) -> Path:
+    """Where ``cache_dir=True`` keeps the compile cache of runs under ``root`` (a
+    ``default_root_dir``): ``$XDG_CACHE_HOME/lightning_regions/compile/<name>-<hash>``
+    (default ``~/.cache/...``), one folder per root, so a second run or a resume with the
+    same root starts warm, and nothing of ours lands in the run's folder, among its
+    checkpoints, or in the working directory. A remote root gets a local folder too:
+    inductor needs a local path."""
+    key = os.path.realpath(root.removeprefix("file://")) if is_local_path(root) else root
+    name = re.sub(r"[^\w.-]", "_", os.path.basename(key.rstrip("/")) or "root")[:40]
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(cache_home) / "lightning_regions" / "compile" / f"{name}-{digest}"
+
+
 def use_cache_dir(directory: str | os.PathLike[str]) -> str | None:
-    """Point inductor (and triton, below it) at ``directory``; return the previous value."""
+    """Point inductor (and triton, below it) at ``directory``; return the previous value.
+    Nothing is created: torch makes the folder when it first writes there."""
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(directory).resolve())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
     clear_inductor_caches()  # drop paths torch memoised for the old directory
     return previous
+
+
+def missing_folders(directory: str | os.PathLike[str]) -> list[Path]:
+    """``directory`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    for folder in (Path(directory).absolute(), *Path(directory).absolute().parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) while it is empty: torch makes the cache
+    folder before it has anything to write (``torch.compile`` imports its bisector, which
+    asks for the cache directory), so a run whose backend wrote nothing leaves none."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, or already gone
+            if folder.exists():
+                return
 
 
 def restore_cache_dir(previous: str | None) -> None:

@@ -34,8 +34,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
         backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
             recompile_warn_threshold, cache_dir, disable_training_kv_cache,
             unspecialize_module_ints, granularity: as for the Trainer's
-            ``lightning_regions.RegionalCompileStrategy``; ``cache_dir=True`` is
-            ``./compile_cache``.
+            ``lightning_regions.RegionalCompileStrategy``; ``cache_dir=True`` keys the
+            cache folder by the working directory.
         **kwargs: the Fabric strategy's own arguments.
     """
 

@@ -62,22 +62,27 @@ def disable_kv_cache_unless_asked(root: nn.Module) -> list[str]:
             continue
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             handle = module.register_forward_pre_hook(
-                _without_cache_unless_asked(position), with_kwargs=True
+                WithoutCacheUnlessAsked(position), with_kwargs=True
             )
             module.__dict__[HOOK_ATTRIBUTE] = handle
         changed.append(path)
     return changed
 
 
-def _without_cache_unless_asked(position: int) -> Any:
-    def hook(
-        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+class WithoutCacheUnlessAsked:
+    """The forward pre-hook: ``use_cache=False`` unless the caller passed ``use_cache``
+    (by keyword, or as positional argument ``position``). An object, not a closure, so a
+    model saved with ``torch.save`` while the strategy holds it still pickles."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if "use_cache" in kwargs or len(args) > position:
+        if "use_cache" in kwargs or len(args) > self.position:
             return None  # the caller chose
         return args, {**kwargs, "use_cache": False}
-
-    return hook
 
 
 def restore_kv_cache(root: nn.Module) -> None:

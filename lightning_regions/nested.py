@@ -14,6 +14,7 @@ reuse one traced block across every region of that class, checking its guards pe
 
 from __future__ import annotations
 
+import copyreg
 import re
 import weakref
 from dataclasses import dataclass
@@ -64,11 +65,30 @@ def is_marked(module: nn.Module) -> bool:
 
 
 def marked_class(cls: type) -> type:
-    """One subclass of ``cls`` per process whose ``forward`` is a nested compile region."""
+    """One subclass of ``cls`` per process whose ``forward`` is a nested compile region.
+
+    A marked instance pickles and copies as an instance of ``cls`` itself, as torch drops
+    a module's compiled call when it is saved or copied: the copy is the plain module,
+    and loading it needs neither this subclass nor lightning_regions."""
     marked = _MARKED_CLASSES.get(cls)
     if marked is None:
+
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            reduced = super(marked, self).__reduce_ex__(protocol)
+            if not isinstance(reduced, tuple):
+                return reduced
+            function, arguments, *rest = reduced
+            if not arguments or arguments[0] is not marked:
+                return reduced
+            if function is copyreg.__newobj__:
+                # pickle checks that __newobj__ builds the object's own class: call the
+                # user's class's __new__ instead (protocol 2 and up)
+                return (cls.__new__, (cls, *arguments[1:]), *rest)
+            return (function, (cls, *arguments[1:]), *rest)  # copyreg._reconstructor
+
         namespace = {
             "forward": torch.compiler.nested_compile_region(cls.forward),
+            "__reduce_ex__": __reduce_ex__,
             MARKED_FROM: cls,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,

@@ -403,8 +403,9 @@ def warn_per_instance_recompiles(report: RegionReport) -> None:
 
 
 def warn_if_not_compiled(report: RegionReport) -> None:
-    """Warn, naming each region, when a region never ran compiled code."""
-    missing = report.never_ran_compiled
+    """Warn, naming each region, when a region never ran compiled code. Regions that
+    failed to compile are left out: ``RegionCompileWarning`` named them when it happened."""
+    missing = tuple(row for row in report.never_ran_compiled if not row.compile_error)
     if missing:
         names = "; ".join(f"{row.class_name} at {', '.join(row.paths)}" for row in missing)
         warnings.warn(

@@ -12,6 +12,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -21,8 +22,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from .cache import (
     CHECKPOINT_KEY,
     artifact_guard,
+    is_local_path,
+    missing_folders,
     pack_artifacts,
+    remove_empty_folders,
     restore_cache_dir,
+    run_cache_dir_for,
     unpack_artifacts,
     use_cache_dir,
 )
@@ -45,9 +50,6 @@ from .report import (
     warn_if_not_compiled,
     warn_per_instance_recompiles,
 )
-
-#: The run's compile cache, relative to ``Trainer(default_root_dir=...)``.
-DEFAULT_CACHE_SUBDIR = "compile_cache"
 
 
 class UnspecializedModuleInts:
@@ -122,11 +124,13 @@ class RegionalCompileBase:
         self._module_ints_release: weakref.finalize | None = None
         self._kv_cache_module: Any = None
         self._previous_cache_dir: str | None = None
+        self._cache_folders_made: list[Path] = []
         self._cache_dir_entered = False
         self._runtime_reported = False
 
     def run_root_dir(self) -> str:
-        """Where ``cache_dir=True`` puts ``compile_cache``: the working directory here."""
+        """The run's root, whose compile cache ``cache_dir=True`` picks: the working
+        directory here."""
         return os.getcwd()
 
     def run_cache_dir(self) -> str | None:
@@ -135,13 +139,20 @@ class RegionalCompileBase:
             return None
         if isinstance(self.cache_dir, str):
             return self.cache_dir
-        return os.path.join(self.run_root_dir(), DEFAULT_CACHE_SUBDIR)
+        return str(run_cache_dir_for(self.run_root_dir()))
 
     def _enter_cache_dir(self) -> None:
         directory = self.run_cache_dir()
         if directory is not None and not self._cache_dir_entered:
+            self._cache_folders_made = missing_folders(directory)
             self._previous_cache_dir = use_cache_dir(directory)
             self._cache_dir_entered = True
+            root = self.run_root_dir()
+            if self.cache_dir is True and not is_local_path(root):
+                rank_zero_info(
+                    f"regional compile: the root {root} is not a local path and inductor "
+                    f"needs one; its compile cache is {directory}"
+                )
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
@@ -151,6 +162,7 @@ class RegionalCompileBase:
         super().teardown()  # type: ignore[misc]
         if self._cache_dir_entered:
             restore_cache_dir(self._previous_cache_dir)
+            remove_empty_folders(self._cache_folders_made)
             self._cache_dir_entered = False
         if self._module_ints_release is not None:
             self._module_ints_release()  # once; a weakref.finalize does nothing the second time
@@ -226,8 +238,16 @@ class RegionalCompileMixin(RegionalCompileBase):
     lightning_module: Any
     model: Any
 
+    def attached_trainer(self) -> Any:
+        """The Trainer of the LightningModule, or None before one is attached
+        (``strategy.load_checkpoint`` may be called then)."""
+        module = self.lightning_module
+        return getattr(module, "_trainer", None) if module is not None else None
+
     def run_root_dir(self) -> str:
-        return self.lightning_module.trainer.default_root_dir
+        """``Trainer(default_root_dir=...)``, or the working directory without a Trainer."""
+        trainer = self.attached_trainer()
+        return trainer.default_root_dir if trainer is not None else os.getcwd()
 
     def artifact_guard(self) -> dict[str, str]:
         device = self.root_device  # type: ignore[attr-defined]
@@ -245,8 +265,13 @@ class RegionalCompileMixin(RegionalCompileBase):
         super().save_checkpoint(checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load the checkpoint, and its compile-cache artifacts if they fit this run."""
+        """Load the checkpoint, and its compile-cache artifacts if they fit this run.
+        Called before a Trainer is attached, it loads the checkpoint alone: there is no
+        run yet whose cache the artifacts belong to (a Trainer restoring the checkpoint
+        loads them then)."""
         checkpoint = super().load_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        if self.attached_trainer() is None:
+            return checkpoint
         self._enter_cache_dir()  # artifacts are written into the run's cache directory
         unpack_artifacts(
             checkpoint.get(CHECKPOINT_KEY), self.artifact_guard(), self.trust_unsigned_artifacts
@@ -301,8 +326,10 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             region alone runs eager, with a warning.
         recompile_warn_threshold: warn when a block class recompiles this many times
             (``None``: never).
-        cache_dir: where compile caches go: ``True`` for ``<default_root_dir>/compile_cache``,
-            a path, or ``False`` for torch's default. Checkpoints also carry the artifacts.
+        cache_dir: where compile caches go: ``True`` for a folder of this run's
+            ``default_root_dir`` under ``$XDG_CACHE_HOME/lightning_regions/compile`` (created
+            only when torch writes there), a path, or ``False`` for torch's default.
+            Checkpoints also carry the artifacts.
         trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
             with this user's key. They run code when loaded: only for checkpoints you trust.
         disable_training_kv_cache: pass ``use_cache=False`` to transformers models in

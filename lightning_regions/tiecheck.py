@@ -13,6 +13,7 @@ is still one object, held once by the optimizers, with equal values. Two ways in
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,7 +43,14 @@ class BrokenGroup:
 def check_ties(
     recorded: ModuleGraph, live: ModuleGraph, optimizer_params: Iterable[torch.Tensor]
 ) -> list[BrokenGroup]:
-    """Every recorded group that is no longer one object, once in the optimizers."""
+    """Every recorded group that is no longer one object, or whose parameter the
+    optimizers hold twice or hold in a stale form.
+
+    A tied parameter that no optimizer holds is fine (frozen weights, LoRA, a
+    trainable-only optimizer, ``BackboneFinetuning``), unless it is trainable and an
+    optimizer still holds the object recorded at one of its paths, which is no longer
+    there: it was replaced after the optimizer was built, so training updates a copy.
+    """
     broken = []
     for group in recorded.own_alias_groups():
         objects = {id(live.modules.get(path)) for path in group}
@@ -51,9 +59,7 @@ def check_ties(
             broken.append(BrokenGroup("module alias", group, f"paths gone: {missing}"))
         elif len(objects) > 1:
             broken.append(BrokenGroup("module alias", group, f"{len(objects)} distinct modules"))
-    held: dict[int, int] = {}
-    for param in optimizer_params:
-        held[id(param)] = held.get(id(param), 0) + 1
+    held = Counter(id(param) for param in optimizer_params)
     for group in recorded.own_tie_groups():
         params = [live.parameters.get(path) for path in group]
         if any(p is None for p in params):
@@ -67,12 +73,21 @@ def check_ties(
             problems.append(
                 f"{len(distinct)} distinct Parameters (values {'equal' if equal else 'differ'})"
             )
-        for param in distinct.values():
-            count = held.get(id(param), 0)
-            if count == 0:
-                problems.append("missing from the optimizer (it holds a stale object)")
-            elif count > 1:
-                problems.append(f"in the optimizer {count} times")
+        for path, param in zip(group, params, strict=True):
+            before = recorded.parameters[path]
+            if held[id(param)] > 1:
+                problems.append(f"in the optimizer {held[id(param)]} times")
+            elif (
+                held[id(param)] == 0
+                and param.requires_grad
+                and before is not param
+                and held[id(before)] > 0
+            ):
+                problems.append(
+                    f"{path} is missing from the optimizer, which holds the Parameter that "
+                    "was there before (a stale object: it was replaced after the optimizer "
+                    "was built)"
+                )
         if problems:
             broken.append(BrokenGroup("tied parameter", group, "; ".join(dict.fromkeys(problems))))
     return broken

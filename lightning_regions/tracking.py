@@ -80,6 +80,12 @@ class RegionStats:
     nested_regions: tuple[str, ...] = ()  # labels of the nested regions inside this one
     #: The graphs that ran in observed calls, by compile order, for nested regions.
     ran_graphs: dict[int, GraphNesting] = field(default_factory=dict)
+    class_name: str = ""
+    #: Paths of every region of this region's class (they share its code, and so the
+    #: graphs torch compiles for it), by region, itself included.
+    class_paths: tuple[str, ...] = ()
+    #: Classes whose compile failure was warned about, shared by one tracker's regions.
+    warned_classes: set[str] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -226,7 +232,9 @@ def _real_forward(compiled: CompiledFn) -> CompiledFn:
 def _handle_compile_error(
     error: Exception, gm: torch.fx.GraphModule, owner: RegionStats | None
 ) -> CompiledFn:
-    """Raise naming the region, or let that region alone run its graph eagerly."""
+    """Raise naming the region, or run the graph eagerly (``on_compile_error="eager"``):
+    torch installs what we return for the graph, so every region of the class that
+    reuses it runs eager too. One warning per class names them all."""
     if owner is None:
         raise error
     cause = f"{type(error).__name__}: {error}"
@@ -238,12 +246,46 @@ def _handle_compile_error(
             "to run this region eager and keep training."
         ) from error
     owner.compile_error = cause
-    warnings.warn(
-        f"Region {owner.label} failed to compile and runs eager: {cause}",
-        RegionCompileWarning,
-        stacklevel=2,
-    )
-    return gm.forward
+    if owner.class_name not in owner.warned_classes:
+        owner.warned_classes.add(owner.class_name)
+        own = owner.label.split(" at ", 1)[-1]
+        others = [paths for paths in owner.class_paths if paths != own]
+        reusing = (
+            f", and so do the {len(others)} other {owner.class_name} region(s) that reuse "
+            f"its graph: {'; '.join(others)}"
+            if others
+            else ""
+        )
+        warnings.warn(
+            f"Region {owner.label} failed to compile and runs eager{reusing}. {cause}",
+            RegionCompileWarning,
+            stacklevel=2,
+        )
+    return EagerFallback(gm.forward, cause)
+
+
+class EagerFallback:
+    """A graph the backend failed on, run eagerly. Each observed region that runs it is
+    recorded as running eager because of that failure."""
+
+    def __init__(self, forward: CompiledFn, cause: str) -> None:
+        self.forward = forward
+        self.cause = cause
+
+    def __call__(self, *args: Any) -> Any:
+        if _RUNNING and _RUNNING[-1].stats.compile_error is None:
+            _RUNNING[-1].stats.compile_error = self.cause
+        return self.forward(*args)
+
+
+def _region_compile_error(error: BaseException) -> RegionCompileError | None:
+    """Our ``RegionCompileError`` inside torch's ``BackendCompilerFailed``, if it is there."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RegionCompileError):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__
 
 
 class ObservedRegion:
@@ -281,6 +323,11 @@ class ObservedRegion:
                 explained = explain_nested_failure(error, self.stats.label, labels)
                 if explained is not None:
                     raise explained from error
+            ours = _region_compile_error(error)
+            if ours is not None and ours is not error:
+                # torch wraps what the backend raised in BackendCompilerFailed: the user
+                # gets ours, with the backend's own error as its cause
+                raise RegionCompileError(str(ours)) from ours.__cause__
             raise
         finally:
             _RUNNING.pop()
@@ -341,11 +388,18 @@ class RegionTracker:
         on_compile_error: str = "raise",
         observe_calls: int | None = OBSERVED_CALLS,
     ) -> RegionTracker:
+        by_class: dict[str, list[str]] = {}
+        for region in plan.regions:
+            by_class.setdefault(region.class_name, []).append(", ".join(region.paths))
+        warned_classes: set[str] = set()
         stats = [
             RegionStats(
                 region.label,
                 on_compile_error,
                 nested_regions=tuple(nested.label for nested in plan.nested_in(region)),
+                class_name=region.class_name,
+                class_paths=tuple(by_class[region.class_name]),
+                warned_classes=warned_classes,
             )
             for region in plan.regions
         ]
@@ -360,3 +414,9 @@ class RegionTracker:
         """Put torch's compiled calls back in every region; counts stop here."""
         for observer in self.observers:
             observer.end()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled and copied as ``None``, with builtins only: torch drops a module's
+        compiled call when it is saved or copied, so the copy is a plain model with
+        nothing to report, and loading it needs no lightning_regions."""
+        return (dict.get, ({}, None))

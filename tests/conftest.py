@@ -18,16 +18,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(autouse=True, scope="session")
-def own_config_home(tmp_path_factory):
-    """The artifact signing key of the test session lives in a temporary config home."""
-    previous = os.environ.get("XDG_CONFIG_HOME")
-    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
+def own_config_and_cache_home(tmp_path_factory):
+    """The artifact signing key and the default compile caches of the test session live
+    in a temporary config home and cache home."""
+    homes = {"XDG_CONFIG_HOME": "config", "XDG_CACHE_HOME": "cache"}
+    previous = {name: os.environ.get(name) for name in homes}
+    for name, folder in homes.items():
+        os.environ[name] = str(tmp_path_factory.mktemp(folder))
     os.environ.pop("LIGHTNING_REGIONS_ARTIFACT_KEY", None)
     yield
-    if previous is None:
-        os.environ.pop("XDG_CONFIG_HOME", None)
-    else:
-        os.environ["XDG_CONFIG_HOME"] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

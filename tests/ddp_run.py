@@ -6,6 +6,7 @@ Each rank writes its final parameters and losses to OUT_DIR/<mode>_rank<r>.pt.
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 
@@ -48,11 +49,25 @@ def main(mode: str, out: Path) -> None:
     unit = model.model if mode == "nested" else model.model.blocks[0]
     compiled = unit._compiled_call_impl is not None
     payload = {"params": state, "losses": model.losses, "compiled": compiled}
+    payload["saved_loads_equal"] = saved_loads_equal(model, trainer.model)
     if mode == "nested":
         rows = region_report(model).nested
         payload["nested_calls"] = sum(row.nested_calls for row in rows)
         payload["never_ran_compiled"] = len(region_report(model).never_ran_compiled)
     torch.save(payload, out / f"{mode}_rank{trainer.global_rank}.pt")
+
+
+def saved_loads_equal(model: GPTModule, wrapped: torch.nn.Module) -> bool:
+    """``torch.save`` of the trained module and of what the Trainer holds works, and the
+    module loads as a plain one with the same outputs."""
+    saved, trainer_model = io.BytesIO(), io.BytesIO()
+    torch.save(model, saved)
+    torch.save(wrapped, trainer_model)
+    loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+    x = torch.randint(0, model.model.config.vocab_size, (2, 16))
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        return torch.equal(model.model(x), loaded.model(x))
 
 
 if __name__ == "__main__":

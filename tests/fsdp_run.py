@@ -11,6 +11,7 @@ once; dynamo is reset between them, so nothing compiled is shared.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import warnings
@@ -326,15 +327,25 @@ def scenario_fsdp1(out: Path) -> dict[str, Any]:
     return {"error": None}
 
 
+def torch_save_outcome(model: nn.Module) -> str:
+    """What ``torch.save(model)`` of a trained FSDP2 model ends in: ``ok`` or the error."""
+    try:
+        torch.save(model, io.BytesIO())
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return "ok"
+
+
 def scenario_devices1(out: Path) -> dict[str, Any]:
     model = make()
     trainer = fit(model, regional(), out, devices=1)
-    return summary(model, trainer)
+    return {**summary(model, trainer), "torch_save": torch_save_outcome(model)}
 
 
 def scenario_devices1_plain(out: Path) -> dict[str, Any]:
     model = make(UserShardedGPT)
-    return summary(model, fit(model, plain(data_parallel_size=1), out, devices=1))
+    result = summary(model, fit(model, plain(data_parallel_size=1), out, devices=1))
+    return {**result, "torch_save": torch_save_outcome(model)}
 
 
 def resumed(cls: type[GPTModule], strategy: Any, out: Path, distributed: bool) -> dict[str, Any]:

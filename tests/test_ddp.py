@@ -35,6 +35,7 @@ def test_ranks_end_identical_and_equal_to_eager_ddp(tmp_path, eager, mode):
         torch.testing.assert_close(value, eager[0]["params"][name], rtol=1e-4, atol=1e-6, msg=name)
     for rank in range(2):
         assert regional[rank]["losses"] == pytest.approx(eager[rank]["losses"], rel=1e-5)
+        assert regional[rank]["saved_loads_equal"] and eager[rank]["saved_loads_equal"]
     if mode == "nested":  # 3 positions, 2 distinct blocks: every call nested in the graph
         assert all(rank["nested_calls"] == 3 for rank in regional), regional[0]["nested_calls"]
         assert all(rank["never_ran_compiled"] == 0 for rank in regional)

@@ -64,6 +64,21 @@ def test_a_fabric_loop_matches_plain_fabric_with_regions_compiled_and_ties_kept(
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("granularity", ["regions", "nested"])
+def test_torch_save_after_a_fabric_loop_loads_a_plain_model_with_the_same_outputs(
+    tmp_path, granularity
+):
+    model, _ = train(fabric(regional(granularity=granularity)), steps=2)
+    gpt = model.module
+    torch.save(gpt, tmp_path / "gpt.pt")
+    loaded = torch.load(tmp_path / "gpt.pt", weights_only=False)
+    assert not [m for m in loaded.modules() if m._compiled_call_impl is not None]
+    x = torch.randint(0, CharDataModule().vocab_size, (2, 16))
+    gpt.eval(), loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), gpt(x), rtol=0, atol=0)
+
+
 def test_fabric_save_and_load_round_trip_with_the_plain_models_keys(tmp_path):
     f = fabric(regional())
     model, _ = train(f, steps=2)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from examples.lightning_gpt import GPTModule
 from examples.tiny_gpt import GPTConfig, TinyGPT
 from lightning_regions import RegionalCompileFSDPStrategy, find_regions
+from lightning_regions.cache import run_cache_dir_for
 from lightning_regions.sharding import mixed_precision_policy, shard_by_plan
 
 SCRIPT = Path(__file__).parent / "fsdp_run.py"
@@ -151,10 +152,11 @@ def test_each_rank_falls_back_to_eager_and_keeps_the_run_cache_dir(runs):
         assert result["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-6)
         assert result["errors"][0] == "RuntimeError: backend failed on purpose"
         assert all(calls == 0 for _, calls in result["rows"])  # eager, and reported so
-        assert any(w.startswith("RegionCompileWarning") for w in result["warnings"])
-        assert any(w.startswith("RegionNotCompiledWarning") for w in result["warnings"])
-        expected = runs / "per_rank_eager_fallback" / "compile_cache"
-        assert Path(result["cache_dir"]) == expected.resolve()
+        # one warning names the failed regions; the not-compiled one does not repeat them
+        assert sum(w.startswith("RegionCompileWarning") for w in result["warnings"]) == 1
+        assert not any(w.startswith("RegionNotCompiledWarning") for w in result["warnings"])
+        expected = run_cache_dir_for(str(runs / "per_rank_eager_fallback"))
+        assert Path(result["cache_dir"]) == expected
 
 
 @pytest.mark.ddp
@@ -235,6 +237,8 @@ def test_one_device_works_and_equals_plain_fsdp2_on_one_device(tmp_path):
     assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     assert ours["block_is_dtensor"] and ours["block_local_numel"] == ours["block_full_numel"]
     assert ours["rows"] and all(calls > 0 for _, calls in ours["rows"])
+    # torch.save of the trained, sharded model ends as it does under plain FSDP2
+    assert ours["torch_save"] == plain["torch_save"], (ours["torch_save"], plain["torch_save"])
 
 
 def test_mixed_precision_follows_lightning_precision():

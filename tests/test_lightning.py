@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import lightning.pytorch as pl
 import pytest
@@ -18,9 +19,11 @@ from examples.tiny_gpt import GPTConfig, TinyGPT
 from lightning_regions import (
     RegionalCompileDDPStrategy,
     RegionalCompileStrategy,
+    RegionCompileError,
     TiedWeightsCheck,
     TiedWeightsError,
 )
+from lightning_regions.cache import run_cache_dir_for
 
 SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": 2}
 
@@ -302,9 +305,9 @@ class FailsOnLayerNorm:
         return gm.forward
 
 
-def test_compile_error_policy_raise_names_the_block(tmp_path):
+def test_compile_error_policy_raise_raises_region_compile_error_naming_the_block(tmp_path):
     strategy = RegionalCompileStrategy(backend=FailsOnLayerNorm())
-    with pytest.raises(Exception, match=r"Compiling region GPTBlock at model\.blocks\.0"):
+    with pytest.raises(RegionCompileError, match=r"Compiling region GPTBlock at model\.blocks\.0"):
         trainer(tmp_path, strategy, steps=1).fit(gpt(), data())
 
 
@@ -350,12 +353,18 @@ def test_regions_that_never_ran_compiled_are_reported_after_the_first_step(tmp_p
         trainer(tmp_path, strategy, steps=2).fit(model, data())
 
 
-def test_cache_dir_defaults_under_default_root_dir_and_is_restored(tmp_path, monkeypatch):
+def test_the_cache_dir_is_the_roots_own_while_set_up_and_is_restored(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "outside"))
-    strategy = RegionalCompileStrategy(backend="eager")
-    trainer(tmp_path, strategy, steps=1).fit(gpt(), data())
-    assert strategy.run_cache_dir() == str(tmp_path / "compile_cache")
-    assert (tmp_path / "compile_cache").is_dir()
-    import os
+    seen = []
 
+    class SeenCacheDir(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+    strategy = RegionalCompileStrategy(backend="eager")
+    trainer(tmp_path, strategy, steps=1, callbacks=[SeenCacheDir()]).fit(gpt(), data())
+    assert seen == [strategy.run_cache_dir()] == [str(run_cache_dir_for(str(tmp_path)))]
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "outside")
+    given = RegionalCompileStrategy(backend="eager", cache_dir=str(tmp_path / "mine"))
+    trainer(tmp_path, given, steps=1).fit(gpt(), data())
+    assert given.run_cache_dir() == str(tmp_path / "mine")
