@@ -15,9 +15,11 @@ from .nested import NestedRegionError
 from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
 from .report import (
     PerInstanceRecompileWarning,
+    RegionGraphBreakWarning,
     RegionNotCompiledWarning,
     RegionReport,
     region_report,
+    warn_graph_breaks,
     warn_if_not_compiled,
     warn_per_instance_recompiles,
 )
@@ -40,6 +42,7 @@ __all__ = [
     "Region",
     "RegionCompileError",
     "RegionCompileWarning",
+    "RegionGraphBreakWarning",
     "RegionNotCompiledWarning",
     "RegionPlan",
     "RegionReport",
@@ -54,6 +57,7 @@ __all__ = [
     "find_regions",
     "region_report",
     "snapshot",
+    "warn_graph_breaks",
     "warn_if_not_compiled",
     "warn_per_instance_recompiles",
 ]

@@ -47,15 +47,36 @@ def _use_cache_position(module: nn.Module) -> int | None:
     return None
 
 
+def outermost_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, model)`` of each outermost transformers model under ``root``."""
+    found, inside = [], set()
+    for path, module in root.named_modules(remove_duplicate=True):
+        if id(module) not in inside and is_transformers_model(module):
+            inside.update(id(m) for m in module.modules())
+            found.append((path, module))
+    return found
+
+
+def models_without_use_cache(root: nn.Module | None) -> list[str]:
+    """Class names of the outermost transformers models under ``root`` whose ``forward``
+    takes no ``use_cache``: if such a model builds a KV cache (XLM builds one in every
+    forward), nothing the caller passes turns it off."""
+    if root is None:
+        return []
+    return sorted(
+        {
+            type(model).__name__
+            for _, model in outermost_models(root)
+            if _use_cache_position(model) is None
+        }
+    )
+
+
 def disable_kv_cache_unless_asked(root: nn.Module) -> list[str]:
     """Register the ``use_cache=False``-unless-asked hook on each outermost transformers
     model under ``root`` whose config turns the cache on; return their paths."""
     changed = []
-    inside_model: set[int] = set()
-    for path, module in root.named_modules(remove_duplicate=True):
-        if id(module) in inside_model or not is_transformers_model(module):
-            continue
-        inside_model.update(id(m) for m in module.modules())
+    for path, module in outermost_models(root):
         position = _use_cache_position(module)
         config = getattr(module, "config", None)
         if position is None or not getattr(config, "use_cache", False):

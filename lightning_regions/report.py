@@ -7,19 +7,28 @@ strategy logs.
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 
 from torch import nn
 
-from .compat import dynamo_config
 from .compile import tracker_of
+from .diagnosis import (
+    SYMBOLIC_AFTER_FIRST_CHANGE,
+    ClassRun,
+    PerInstanceRecompiles,
+    RegionFrames,
+    RegionGraphBreaks,
+    find_graph_breaks,
+    judge_recompiles,
+)
 from .graph import join
+from .kv_cache import models_without_use_cache
 from .nested import NESTED_TRACED_APART_FIX
 from .regions import Region, RegionPlan
 from .tracking import RegionStats
-from .watch import ClassRecompiles, Guard, graph_breaks, parse_guard
+from .variants import ClassVariants, find_variants
+from .watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard
 
 
 class RegionNotCompiledWarning(UserWarning):
@@ -27,13 +36,12 @@ class RegionNotCompiledWarning(UserWarning):
 
 
 class PerInstanceRecompileWarning(UserWarning):
-    """Instances of one block class compiled graphs of their own: a guard differs per instance."""
+    """Instances of one block class compiled graphs of their own beyond the class's
+    variants, so the compile grows with depth, or some were left eager."""
 
 
-#: Up to this many instances compiling graphs of their own is torch compiling a
-#: per-instance number as a constant once and then as a symbolic value: bounded, 2
-#: graphs whatever the depth. More (or a recompile-limit hit) grows with depth.
-SYMBOLIC_AFTER_FIRST_CHANGE = 2
+class RegionGraphBreakWarning(UserWarning):
+    """A region class's calls run in pieces: part of each block runs eager."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class RegionRow:
     nested_subgraphs: int = 0  # distinct traced blocks those calls ran
     nested_reuses: int = 0  # calls that ran a block already traced, not a new trace
     inlined: bool = False  # torch traced a call of it into the unit's graph, not nested
+    graphs_per_call: int = 0  # the most compiled graphs one observed call ran
+    frames: tuple[FrameCompile, ...] = ()  # torch's frame compiles during the observed calls
 
     @property
     def ran_compiled(self) -> bool:
@@ -58,39 +68,10 @@ class RegionRow:
             return self.nested_calls > 0 or self.inlined
         return self.compiled_calls > 0
 
-
-@dataclass(frozen=True)
-class PerInstanceRecompiles:
-    """One block class whose instances compiled graphs of their own, and why."""
-
-    class_name: str
-    instances: int
-    instances_compiled: int
-    instances_eager: int
-    graphs: int
-    limit_hits: int
-    guards: tuple[Guard, ...]
-    fix: str
-    nested: bool = False  # nested regions traced apart, not graphs compiled apart
-
-    def __str__(self) -> str:
-        if self.nested:
-            return (
-                f"nested {self.class_name}: {self.graphs} of {self.instances} instances traced a "
-                "block of their own instead of reusing one, so the compile grows with depth "
-                f"(torch records no guard for it). Fix: {self.fix}"
-            )
-        eager = (
-            f", {self.instances_eager} left eager (recompile-limit hits {self.limit_hits})"
-            if self.instances_eager or self.limit_hits
-            else ""
-        )
-        guards = "; ".join(str(guard) for guard in self.guards) or "not recorded by torch"
-        return (
-            f"{self.class_name}: {self.graphs} graph(s) from {self.instances_compiled} of "
-            f"{self.instances} instances{eager}. Guard that differs per instance: {guards}. "
-            f"Fix: {self.fix}"
-        )
+    @property
+    def called(self) -> bool:
+        """Called in the observed calls (a nested region: its unit was)."""
+        return self.observed_calls > 0 or bool(self.nested_in)
 
 
 @dataclass(frozen=True)
@@ -104,6 +85,8 @@ class RegionReport:
     recompiles: tuple[ClassRecompiles, ...] = ()
     graph_breaks: int = 0
     per_instance: tuple[PerInstanceRecompiles, ...] = ()
+    variants: tuple[ClassVariants, ...] = ()  # classes of more than one variant
+    breaks: tuple[RegionGraphBreaks, ...] = ()  # classes whose calls ran in pieces
 
     @property
     def graphs(self) -> int:
@@ -118,6 +101,22 @@ class RegionReport:
         """Regions with no compiled call (a nested region: no call in a compiled graph):
         they ran eager, or were never called."""
         return tuple(row for row in self.rows if not row.ran_compiled)
+
+    @property
+    def ran_eager(self) -> tuple[RegionRow, ...]:
+        """Regions called in the observed calls that never ran compiled code."""
+        return tuple(row for row in self.rows if row.called and not row.ran_compiled)
+
+    @property
+    def never_called(self) -> tuple[RegionRow, ...]:
+        """Regions the observed calls never called: nothing was lost there (a text-only
+        step leaves vision or cross-attention layers alone)."""
+        return tuple(row for row in self.rows if not row.called)
+
+    @property
+    def warned_per_instance(self) -> tuple[PerInstanceRecompiles, ...]:
+        """Per-instance recompiles that grow with depth or left regions eager."""
+        return tuple(entry for entry in self.per_instance if not entry.bounded)
 
     @property
     def nested(self) -> tuple[RegionRow, ...]:
@@ -146,7 +145,7 @@ class RegionReport:
             elif row.compile_error:
                 status = f"EAGER (compile failed: {row.compile_error})"
             elif row.observed_calls == 0:
-                status = "NEVER CALLED"
+                status = "not called"
             elif row.compiled_calls == 0:
                 status = f"EAGER (no compiled call in {row.observed_calls} observed)"
             elif row.compiled_calls < row.observed_calls:
@@ -168,8 +167,13 @@ class RegionReport:
             lines.append(
                 f"  nested {class_name}: {calls} call(s) in graph, {traced} traced, {reused} reused"
             )
+        for variants in self.variants:
+            lines.append(f"  variants of {variants}")
         for entry in self.per_instance:
-            lines.append(f"  PER-INSTANCE RECOMPILES: {entry}")
+            label = "graphs of" if entry.bounded else "PER-INSTANCE RECOMPILES:"
+            lines.append(f"  {label} {entry}")
+        for entry in self.breaks:
+            lines.append(f"  GRAPH BREAKS in {entry}")
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
@@ -211,10 +215,14 @@ def region_report(model: nn.Module) -> RegionReport:
             compiled_calls=stats.compiled_calls,
             compile_seconds=stats.compile_seconds,
             compile_error=stats.compile_error,
+            graphs_per_call=stats.graphs_per_call,
+            frames=tuple(stats.frames),
         )
         for region, stats in zip(plan.regions, tracker.stats, strict=True)
     ) + nested_rows(plan, tracker.stats)
     recompiles = tuple(tracker.watch.refresh())
+    variants = find_variants(plan)
+    regional = [row for row in rows if not row.nested_in]
     return RegionReport(
         rows=rows,
         alias_groups=tuple(plan.graph.own_alias_groups()),
@@ -222,8 +230,50 @@ def region_report(model: nn.Module) -> RegionReport:
         whole_model=plan.whole_model,
         recompiles=recompiles,
         graph_breaks=graph_breaks(),
-        per_instance=per_instance_recompiles(rows, recompiles) + nested_traced_apart(rows),
+        per_instance=per_instance_recompiles(rows, recompiles, variants, plan)
+        + nested_traced_apart(rows),
+        variants=tuple(v for v in variants.values() if len(v.variants) > 1),
+        breaks=find_graph_breaks(
+            [RegionFrames(r.class_name, r.paths[0], r.graphs_per_call, r.frames) for r in regional]
+        ),
     )
+
+
+def per_instance_recompiles(
+    rows: tuple[RegionRow, ...],
+    recompiles: tuple[ClassRecompiles, ...],
+    variants: dict[str, ClassVariants],
+    plan: RegionPlan,
+) -> tuple[PerInstanceRecompiles, ...]:
+    """Each region class whose instances compiled graphs of their own, judged against its
+    variants (``diagnosis.judge_recompiles``)."""
+    by_class: dict[str, list[RegionRow]] = {}
+    for row in rows:
+        if not row.nested_in:
+            by_class.setdefault(row.class_name, []).append(row)
+    reasons = {entry.class_name: entry for entry in recompiles}
+    uncontrolled = ", ".join(models_without_use_cache(plan.graph.modules[""]))
+    classes = tuple(dict.fromkeys(row.class_name for row in rows if not row.nested_in))
+    found = []
+    for class_name, class_rows in by_class.items():
+        entry = reasons.get(class_name)
+        run = ClassRun(
+            class_name=class_name,
+            paths=tuple(row.paths[0] for row in class_rows),
+            graphs=tuple(row.graphs for row in class_rows),
+            eager=sum(
+                1
+                for row in class_rows
+                if row.observed_calls and not row.compiled_calls and not row.compile_error
+            ),
+            reasons=tuple(entry.reasons) if entry else (),
+            limit_hits=entry.limit_hits if entry else 0,
+        )
+        others = tuple(name for name in classes if name != class_name)
+        judged = judge_recompiles(run, variants.get(class_name), uncontrolled, others)
+        if judged is not None:
+            found.append(judged)
+    return tuple(found)
 
 
 def nested_rows(plan: RegionPlan, stats: list[RegionStats]) -> tuple[RegionRow, ...]:
@@ -274,42 +324,6 @@ def _names(nested: Region, unit: Region, path: str) -> bool:
     return any(join(prefix, path) in nested.paths for prefix in unit.paths)
 
 
-def per_instance_recompiles(
-    rows: tuple[RegionRow, ...], recompiles: tuple[ClassRecompiles, ...]
-) -> tuple[PerInstanceRecompiles, ...]:
-    """Block classes of which two or more instances compiled graphs of their own, or
-    which hit the recompile limit, for a reason other than a tensor input's metadata;
-    with the guards that differed (dynamo's recompile reasons) and the fix for each."""
-    by_class: dict[str, list[RegionRow]] = {}
-    for row in rows:
-        by_class.setdefault(row.class_name, []).append(row)
-    reasons = {entry.class_name: entry for entry in recompiles}
-    found = []
-    for class_name, class_rows in by_class.items():
-        entry = reasons.get(class_name)
-        guards = _distinct_guards(entry.reasons if entry else [])
-        compiled = [row for row in class_rows if row.graphs > 0]
-        limit_hits = entry.limit_hits if entry else 0
-        if not guards or (len(compiled) < 2 and not limit_hits):
-            continue
-        bounded = len(compiled) <= SYMBOLIC_AFTER_FIRST_CHANGE and not limit_hits
-        found.append(
-            PerInstanceRecompiles(
-                class_name=class_name,
-                instances=len(class_rows),
-                instances_compiled=len(compiled),
-                instances_eager=sum(
-                    1 for row in class_rows if row.observed_calls and not row.compiled_calls
-                ),
-                graphs=sum(row.graphs for row in class_rows),
-                limit_hits=limit_hits,
-                guards=guards,
-                fix=fix_for(guards[0], bounded),
-            )
-        )
-    return tuple(found)
-
-
 def nested_traced_apart(rows: tuple[RegionRow, ...]) -> tuple[PerInstanceRecompiles, ...]:
     """Nested region classes of which more instances traced a block of their own than
     torch's symbolic-after-first-change bound: torch without a reuse limit
@@ -336,65 +350,10 @@ def nested_traced_apart(rows: tuple[RegionRow, ...]) -> tuple[PerInstanceRecompi
     return tuple(found)
 
 
-def _distinct_guards(reasons: list[str]) -> tuple[Guard, ...]:
-    """Guards not on a tensor input, one per shape (``layers[7]`` and ``layers[6]`` are one)."""
-    distinct: dict[str, Guard] = {}
-    for reason in reasons:
-        guard = parse_guard(reason)
-        if guard.expression and not guard.on_input_tensor:
-            distinct.setdefault(re.sub(r"\d+", "N", guard.expression), guard)
-    return tuple(distinct.values())
-
-
-def fix_for(guard: Guard, bounded: bool = False) -> str:
-    """What removes a per-instance guard of this kind. ``bounded``: torch already
-    compiled the value symbolic after the first change (2 graphs whatever the depth)."""
-    text = f"{guard.expression} {guard.source} {guard.location}"
-    if "cache_utils" in text or "past_key_value" in text or "use_cache" in text:
-        return (
-            "a transformers KV cache is built in training (config.use_cache=True) and each "
-            "layer indexes it by its layer_idx. The strategies turn it off where not asked "
-            "for (disable_training_kv_cache=True, the default); elsewhere pass use_cache=False."
-        )
-    if "___check_type_id" in text or "___check_obj_id" in text:
-        return (
-            "an attribute whose object or class differs per instance; give every instance "
-            "the same object and class, or choose outside forward."
-        )
-    number = re.fullmatch(r"self(\.\w+)+ == (-?[\d.e+-]+)", guard.expression)
-    if number and bounded:
-        return (
-            "a per-instance number: torch compiled its first value as a constant and the "
-            "next as symbolic, so this class costs 2 compiles whatever the depth. Store it "
-            "as a tensor buffer (register_buffer) for one graph."
-        )
-    if number and re.fullmatch(r"-?\d+", number.group(2)):
-        return (
-            "a per-instance int attribute. unspecialize_module_ints=True (the strategies' "
-            "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
-            "symbolic int after the first change; or store it as a tensor buffer."
-        )
-    if number and dynamo_config().specialize_float:
-        return (
-            "a per-instance float attribute, specialised because "
-            "torch._dynamo.config.specialize_float is True; set it False (torch's default) "
-            "or store the value as a tensor buffer."
-        )
-    if number:
-        return (
-            "a per-instance float attribute that torch specialised (it could not keep it "
-            "symbolic in this forward); store the value as a tensor buffer, or make it the "
-            "same on every instance."
-        )
-    return (
-        "make the attribute the guard reads the same on every instance, or pass it to "
-        "forward as a tensor."
-    )
-
-
 def warn_per_instance_recompiles(report: RegionReport) -> None:
-    """Warn, naming the class, the guard and the fix, for each per-instance recompile."""
-    for entry in report.per_instance:
+    """Warn, naming the class, the guard and the fix, for each class whose per-instance
+    recompiles grow with depth or left regions eager (bounded ones are only reported)."""
+    for entry in report.warned_per_instance:
         warnings.warn(
             f"Regional compile recompiles per instance: {entry}",
             PerInstanceRecompileWarning,
@@ -402,15 +361,27 @@ def warn_per_instance_recompiles(report: RegionReport) -> None:
         )
 
 
+def warn_graph_breaks(report: RegionReport) -> None:
+    """Warn, once per class, naming torch's reasons, what runs eager and the fix, for
+    each region class whose calls ran in pieces."""
+    for entry in report.breaks:
+        warnings.warn(
+            f"Graph breaks inside regions: {entry}",
+            RegionGraphBreakWarning,
+            stacklevel=2,
+        )
+
+
 def warn_if_not_compiled(report: RegionReport) -> None:
-    """Warn, naming each region, when a region never ran compiled code. Regions that
-    failed to compile are left out: ``RegionCompileWarning`` named them when it happened."""
-    missing = tuple(row for row in report.never_ran_compiled if not row.compile_error)
+    """Warn, naming each region, when a region that was called never ran compiled code.
+    Regions that failed to compile are left out (``RegionCompileWarning`` named them when
+    it happened), and so are regions never called: nothing was lost there."""
+    missing = tuple(row for row in report.ran_eager if not row.compile_error)
     if missing:
         names = "; ".join(f"{row.class_name} at {', '.join(row.paths)}" for row in missing)
         warnings.warn(
-            f"{len(missing)} region(s) never ran compiled code in their observed calls "
-            f"(eager fallback, a skipped frame, or never called): {names}",
+            f"{len(missing)} region(s) were called but never ran compiled code in their "
+            f"observed calls (an eager fallback or a skipped frame): {names}",
             RegionNotCompiledWarning,
             stacklevel=2,
         )

@@ -44,12 +44,15 @@ from .nested import validate_granularity
 from .regions import RegionPlan, Selectors
 from .report import (
     PerInstanceRecompileWarning,
+    RegionGraphBreakWarning,
     RegionNotCompiledWarning,
     RegionReport,
     region_report,
+    warn_graph_breaks,
     warn_if_not_compiled,
     warn_per_instance_recompiles,
 )
+from .variants import compress_paths
 
 
 class UnspecializedModuleInts:
@@ -222,9 +225,10 @@ class RegionalCompileBase:
             end_observation(module)
             rank_zero_info(runtime_summary(report))
             with warnings.catch_warnings():
-                warnings.simplefilter("always", RegionNotCompiledWarning)
-                warnings.simplefilter("always", PerInstanceRecompileWarning)
+                for category in WARNED_AT_FIRST_STEP:
+                    warnings.simplefilter("always", category)
                 warn_per_instance_recompiles(report)
+                warn_graph_breaks(report)
                 warn_if_not_compiled(report)
 
 
@@ -288,15 +292,33 @@ class RegionalCompileMixin(RegionalCompileBase):
         return output
 
 
+#: What the strategies warn about once, after the first optimizer step.
+WARNED_AT_FIRST_STEP = (
+    RegionNotCompiledWarning,
+    PerInstanceRecompileWarning,
+    RegionGraphBreakWarning,
+)
+
+
 def runtime_summary(report: RegionReport) -> str:
-    """One line from torch's own records, taken after the first optimizer step."""
+    """From torch's own records, taken after the first optimizer step: one line, then a
+    line per class whose extra graphs are bounded (variants, a per-instance number) and
+    one for regions never called; what loses something is warned about instead."""
     recompiles = sum(entry.recompiles for entry in report.recompiles)
-    return (
+    lines = [
         f"regional compile after first step: {report.graphs} graph(s) compiled, "
         f"{recompiles} recompile(s), {report.graph_breaks} graph break(s), "
         f"{report.compile_seconds:.2f}s in the backend, "
-        f"{len(report.never_ran_compiled)} region(s) without a compiled call"
-    )
+        f"{len(report.ran_eager)} region(s) called without a compiled call"
+    ]
+    lines += [f"  graphs of {entry}" for entry in report.per_instance if entry.bounded]
+    if report.never_called:
+        names = compress_paths(row.paths[0] for row in report.never_called)
+        lines.append(
+            f"  {len(report.never_called)} region(s) not called in the first step (nothing "
+            f"ran eager there): {names}"
+        )
+    return "\n".join(lines)
 
 
 def _refuse_whole_model_compile(module: Any) -> None:

@@ -42,7 +42,7 @@ from .compat import (
 from .graph import unwrap
 from .nested import GraphNesting, explain_nested_failure, graph_nesting
 from .regions import RegionPlan
-from .watch import RecompileWatch
+from .watch import FrameCompile, FrameLog, RecompileWatch
 
 CompiledFn = Callable[..., Any]
 COMPILE_ERROR_POLICIES = ("raise", "eager")
@@ -86,12 +86,16 @@ class RegionStats:
     class_paths: tuple[str, ...] = ()
     #: Classes whose compile failure was warned about, shared by one tracker's regions.
     warned_classes: set[str] = field(default_factory=set)
+    #: The most compiled graphs one observed call ran: more than one means graph breaks.
+    graphs_per_call: int = 0
+    #: Frames torch compiled, or failed to, during the observed calls.
+    frames: list[FrameCompile] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class _RunningRegion:
     stats: RegionStats
-    ran_graph: bool = False
+    graphs_ran: int = 0
 
 
 #: The observed region calls in progress, innermost last.
@@ -182,7 +186,7 @@ class TrackingBackend:
                 hook.locate(sys._getframe(1))
             if backend.observers:
                 if _RUNNING:
-                    _RUNNING[-1].ran_graph = True
+                    _RUNNING[-1].graphs_ran += 1
                     if _RUNNING[-1].stats.nested_regions:
                         _RUNNING[-1].stats.ran_graphs[number] = nesting
             else:
@@ -302,8 +306,10 @@ class ObservedRegion:
         key: str,
         backend: TrackingBackend,
         limit: int | None,
+        frames: FrameLog,
     ) -> None:
         self.stats = stats
+        self.frames = frames
         self.slot = slot
         self.key = key
         self.call: CompiledFn = slot[key]
@@ -314,6 +320,8 @@ class ObservedRegion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         running = _RunningRegion(self.stats)
+        if not _RUNNING:
+            self.frames.new_frames()  # what compiled before this call is not this region's
         _RUNNING.append(running)
         try:
             return self.call(*args, **kwargs)
@@ -332,7 +340,9 @@ class ObservedRegion:
         finally:
             _RUNNING.pop()
             self.stats.observed_calls += 1
-            self.stats.compiled_calls += running.ran_graph
+            self.stats.compiled_calls += running.graphs_ran > 0
+            self.stats.graphs_per_call = max(self.stats.graphs_per_call, running.graphs_ran)
+            self.stats.frames.extend(self.frames.new_frames())
             if self.limit is not None and self.stats.observed_calls >= self.limit:
                 self.end()
 
@@ -373,6 +383,7 @@ class RegionTracker:
     watch: RecompileWatch
     observe_calls: int | None = OBSERVED_CALLS
     observers: list[ObservedRegion] = field(default_factory=list)
+    frames: FrameLog = field(default_factory=FrameLog)
 
     def __post_init__(self) -> None:
         regions = self.plan.regions
@@ -408,7 +419,9 @@ class RegionTracker:
     def observe(self, module: nn.Module, slot: dict[str, Any], key: str) -> None:
         """Observe region ``module``, whose compiled call is ``slot[key]``."""
         stats = self._stats_by_module[id(unwrap(module))]
-        self.observers.append(ObservedRegion(stats, slot, key, self.backend, self.observe_calls))
+        self.observers.append(
+            ObservedRegion(stats, slot, key, self.backend, self.observe_calls, self.frames)
+        )
 
     def end_observation(self) -> None:
         """Put torch's compiled calls back in every region; counts stop here."""

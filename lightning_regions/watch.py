@@ -15,6 +15,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from types import CodeType
+from typing import Any
 
 from torch import nn
 
@@ -46,6 +47,62 @@ def _entry_id(metrics: object) -> tuple[object, object]:
     return (getattr(metrics, "compile_id", None), getattr(metrics, "start_time_us", None))
 
 
+class MetricsCursor:
+    """torch's compilation records made since this cursor was created, each given once."""
+
+    def __init__(self) -> None:
+        self._seen = {_entry_id(m) for m in get_compilation_metrics()}
+
+    def fresh(self) -> list[Any]:
+        """The records made since the last call."""
+        new = []
+        for metrics in get_compilation_metrics():
+            if _entry_id(metrics) not in self._seen:
+                self._seen.add(_entry_id(metrics))
+                new.append(metrics)
+        return new
+
+
+@dataclass(frozen=True)
+class FrameCompile:
+    """One frame dynamo compiled, or failed to, as torch recorded it: the code, the graph
+    breaks it restarted its analysis on, and why it could not be compiled at all."""
+
+    name: str
+    filename: str
+    line: int
+    breaks: tuple[str, ...] = ()
+    failure: str = ""
+
+    @classmethod
+    def of(cls, metrics: Any) -> FrameCompile:
+        failure = metrics.fail_reason or ""
+        if "recompile limit" in failure.lower():
+            failure = ""  # counted as a recompile-limit hit, not a frame that breaks
+        return cls(
+            name=metrics.co_name,
+            filename=metrics.co_filename or "",
+            line=metrics.co_firstlineno or 0,
+            breaks=tuple(sorted(metrics.restart_reasons or ())),
+            failure=failure,
+        )
+
+    @property
+    def where(self) -> str:
+        return f"{self.name} at {self.filename}:{self.line}"
+
+
+class FrameLog:
+    """The frames torch compiled since the last look, for attribution to the region whose
+    observed call was running."""
+
+    def __init__(self) -> None:
+        self.cursor = MetricsCursor()
+
+    def new_frames(self) -> list[FrameCompile]:
+        return [FrameCompile.of(m) for m in self.cursor.fresh() if m.co_name is not None]
+
+
 def _key(code: CodeType) -> CodeKey:
     return (code.co_name, code.co_filename, code.co_firstlineno)
 
@@ -67,7 +124,7 @@ class RecompileWatch:
         self.plan = plan
         self.by_code: dict[CodeKey, ClassRecompiles] = {}
         self.by_frame: dict[str, ClassRecompiles] = {}
-        self._seen = {_entry_id(m) for m in get_compilation_metrics()}
+        self.cursor = MetricsCursor()
 
     @property
     def classes(self) -> list[ClassRecompiles]:
@@ -86,10 +143,7 @@ class RecompileWatch:
     def refresh(self) -> list[ClassRecompiles]:
         """Count the compiles torch recorded since the last refresh."""
         self._index_codes()
-        for metrics in get_compilation_metrics():
-            if _entry_id(metrics) in self._seen:
-                continue
-            self._seen.add(_entry_id(metrics))
+        for metrics in self.cursor.fresh():
             # "frame/attempt": an entry of a recompile-limit hit names no code, only its frame.
             frame = str(metrics.compile_id).split("/")[0]
             key = (metrics.co_name, metrics.co_filename, metrics.co_firstlineno)

@@ -46,7 +46,7 @@ def test_the_summary_is_logged_after_the_first_optimizer_step(caplog):
     train(fabric(regional()), steps=2)
     assert "regional compile: 2 region(s)" in caplog.text
     assert "regional compile after first step: 1 graph(s) compiled" in caplog.text
-    assert "0 region(s) without a compiled call" in caplog.text
+    assert "0 region(s) called without a compiled call" in caplog.text
 
 
 @pytest.mark.parametrize("move_to_device", [True, False])

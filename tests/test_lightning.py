@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -20,6 +21,7 @@ from lightning_regions import (
     RegionalCompileDDPStrategy,
     RegionalCompileStrategy,
     RegionCompileError,
+    RegionNotCompiledWarning,
     TiedWeightsCheck,
     TiedWeightsError,
 )
@@ -76,7 +78,7 @@ def test_report_is_logged_at_setup_and_after_the_first_step(tmp_path, caplog):
     assert "aliases kept: model.blocks = model.layers; model.blocks.0 = model.blocks.2" in text
     assert "tied parameters kept: model.wte.weight = model.lm_head.weight" in text
     assert "after first step: 1 graph(s) compiled" in text
-    assert "0 region(s) without a compiled call" in text
+    assert "0 region(s) called without a compiled call" in text
 
 
 def test_every_trainer_function_sees_the_compiled_model_and_setup_twice_compiles_once(tmp_path):
@@ -346,11 +348,14 @@ class WithUnusedBlocks(GPTModule):
         self.unused = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
 
 
-def test_regions_that_never_ran_compiled_are_reported_after_the_first_step(tmp_path):
+def test_regions_never_called_are_an_info_line_after_the_first_step_not_a_warning(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     model = WithUnusedBlocks(vocab_size=data().vocab_size, **SMALL)
     strategy = RegionalCompileStrategy(backend="eager")
-    with pytest.warns(UserWarning, match=r"2 region\(s\) never ran compiled code.*unused\.0"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RegionNotCompiledWarning)
         trainer(tmp_path, strategy, steps=2).fit(model, data())
+    assert "2 region(s) not called in the first step" in caplog.text and "unused.0-1" in caplog.text
 
 
 def test_the_cache_dir_is_the_roots_own_while_set_up_and_is_restored(tmp_path, monkeypatch):

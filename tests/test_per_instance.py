@@ -249,18 +249,21 @@ def fit_stack(tmp_path, blocks, **strategy_kwargs) -> tuple[Stack, list[str]]:
 def test_a_drop_path_float_schedule_is_reported_with_its_cost(tmp_path):
     model, warned = fit_stack(tmp_path, lambda: [DropPathBlock(0.1 * i / 11) for i in range(12)])
     report = region_report(model)
-    (message,) = warned
-    assert "`self.drop_prob == 0.0`" in message
-    assert "PER-INSTANCE RECOMPILES: DropPathBlock" in str(report)
+    (entry,) = report.per_instance
+    assert "`self.drop_prob == 0.0`" in str(entry)
     if compat.FLOAT_ATTRIBUTE_SYMBOLIC_AFTER_FIRST_CHANGE.applies:
-        # torch specialises the first value, then compiles it symbolic on the first change
+        # torch specialises the first value, then compiles it symbolic on the first change:
+        # bounded, so reported (with the one-graph fix), not warned about
+        assert warned == [] and entry.bounded
         assert report.graphs == 2 and not report.never_ran_compiled
         assert sum(row.graphs > 0 for row in report.rows) == 2
-        assert "DropPathBlock: 2 graph(s) from 2 of 12 instances." in message
-        assert "register_buffer" in message
+        assert "graphs of DropPathBlock: 2 graph(s) from 2 of 12 instances" in str(report)
+        assert "register_buffer" in entry.fix
     else:  # torch < 2.13 specialises every instance's value until the recompile limit
+        (message,) = warned
         assert report.graphs == 8 and len(report.never_ran_compiled) == 4
         assert "DropPathBlock: 8 graph(s) from 8 of 12 instances, 4 left eager" in message
+        assert "PER-INSTANCE RECOMPILES: DropPathBlock" in str(report)
         assert "tensor buffer" in message
 
 
@@ -277,9 +280,10 @@ def test_a_per_layer_int_compiles_symbolic_after_its_first_change(tmp_path):
     model, warned = fit_stack(tmp_path, lambda: [LayerIndexBlock(i) for i in range(12)])
     report = region_report(model)
     assert report.graphs == 2 and not report.never_ran_compiled  # constant, then symbolic
-    (message,) = warned
-    assert "LayerIndexBlock: 2 graph(s) from 2 of 12 instances." in message
-    assert "`self.layer_idx == 0`" in message and "register_buffer" in message
+    assert warned == []  # bounded whatever the depth: reported, not warned about
+    (entry,) = report.per_instance
+    assert entry.bounded and "LayerIndexBlock: 2 graph(s) from 2 of 12 instances" in str(entry)
+    assert "`self.layer_idx == 0`" in str(entry) and "register_buffer" in entry.fix
 
 
 def test_a_per_layer_int_without_the_flag_is_reported_with_the_fix(tmp_path):

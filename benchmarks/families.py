@@ -1,0 +1,413 @@
+"""What the strategy says about real model families, and whether it trains them right.
+
+Each model is built from its own config (transformers, diffusers; no downloads), shrunk
+to tiny widths at 12 layers, trained 3 steps through a real Trainer under plain Lightning
+and under ``RegionalCompileStrategy(backend="aot_eager")``, each run in its own process.
+Recorded per model: whether the losses equal plain Lightning's, the regions and their
+variants, graphs, graph breaks inside regions, regions left eager or never called, and
+every warning of lightning_regions, by category.
+
+    python benchmarks/families.py                    # the named families
+    python benchmarks/families.py --sweep causal-lm  # every *ForCausalLM architecture
+    python benchmarks/families.py --sweep causal-lm --only llama,gpt2
+
+Writes ``families.{json,md}`` or ``causal_lm_sweep.{json,md}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPTH, VOCAB, BATCH, LENGTH, STEPS = 12, 128, 2, 16, 3
+
+#: Tiny widths, given to whichever of these a config has.
+SIZES = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embedding_size"), 64),
+    **dict.fromkeys(("attention_hidden_size", "emb_dim", "dim"), 64),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+        ),
+        4,
+    ),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), 2),
+    **dict.fromkeys(("head_dim", "qk_head_dim", "v_head_dim", "attention_head_dim"), 16),
+    **dict.fromkeys(
+        ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner"), 128
+    ),
+    **dict.fromkeys(("ffn_hidden_size", "d_ff", "d_inner"), 128),
+    **dict.fromkeys(
+        (
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "shared_intermediate_size",
+            "expert_intermediate_size",
+        ),
+        32,
+    ),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    **dict.fromkeys(("moe_num_experts", "num_experts_per_layer"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k"), 2),
+    **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
+    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),
+    **dict.fromkeys(("vocab_size",), VOCAB),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len"), 128),
+    **dict.fromkeys(
+        (
+            "num_hidden_layers",
+            "n_layer",
+            "n_layers",
+            "num_layers",
+            "decoder_layers",
+            "encoder_layers",
+        ),
+        DEPTH,
+    ),
+}
+LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def shrink(config: Any) -> Any:
+    """``config`` with tiny widths, 12 layers, per-layer lists tiled to 12, and special
+    tokens inside the vocabulary; sub-configs (``text_config``...) too."""
+    for name, value in list(vars(config).items()):
+        if name in SIZES and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, name, SIZES[name])
+        elif name in LAYER_LISTS and isinstance(value, list) and value:
+            setattr(config, name, [value[i % len(value)] for i in range(DEPTH)])
+        elif name in TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
+            setattr(config, name, 1)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            shrink(value)
+    return config
+
+
+def causal_lm(model_type: str) -> tuple[Any, str]:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = shrink(CONFIG_MAPPING[model_type]())
+    if getattr(config, "_experts_implementation", None) is None and model_type in MOE_TYPES:
+        config._experts_implementation = "eager"  # what runs everywhere, fp32 on a CPU too
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return cls(config), "causal"
+
+
+#: transformers MoE families whose default experts kernel needs bf16 on older torch/CPU.
+MOE_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe"}
+
+
+def named(name: str) -> tuple[Any, str]:
+    """The named families: builders for the shapes the causal-LM sweep cannot reach."""
+    import transformers
+
+    t = transformers
+    if name in ("gpt2", "llama", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "xlm"):
+        model, kind = causal_lm(name)
+        return model, kind
+    if name == "mixtral_batched_mm":
+        config = shrink(t.MixtralConfig())
+        config._experts_implementation = "batched_mm"
+        return t.MixtralForCausalLM(config), "causal"
+    if name == "t5":
+        config = shrink(t.T5Config(num_layers=DEPTH, num_decoder_layers=DEPTH, d_kv=16))
+        config.decoder_start_token_id = 0
+        return t.T5ForConditionalGeneration(config), "seq2seq"
+    if name == "bart":
+        return t.BartForConditionalGeneration(shrink(t.BartConfig())), "seq2seq"
+    if name == "whisper":
+        config = shrink(t.WhisperConfig(num_mel_bins=16, max_source_positions=8))
+        return t.WhisperForConditionalGeneration(config), "speech"
+    if name == "bert":
+        return t.BertForMaskedLM(shrink(t.BertConfig())), "masked"
+    if name == "modernbert":
+        return t.ModernBertForMaskedLM(shrink(t.ModernBertConfig())), "masked"
+    if name == "vit":
+        config = shrink(t.ViTConfig(image_size=16, patch_size=4, num_labels=3))
+        return t.ViTForImageClassification(config), "image"
+    if name == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        model = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=8,
+            num_layers=DEPTH // 2,
+            num_single_layers=DEPTH,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=16,
+            axes_dims_rope=(4, 6, 6),
+        )
+        return model, "flux"
+    if name == "dit":
+        from diffusers import DiTTransformer2DModel
+
+        model = DiTTransformer2DModel(
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=4,
+            num_layers=DEPTH,
+            sample_size=8,
+            patch_size=2,
+            num_embeds_ada_norm=10,
+        )
+        return model, "dit"
+    raise ValueError(f"unknown family {name!r}")
+
+
+FAMILIES = (
+    "gpt2",
+    "llama",
+    "t5",
+    "bart",
+    "whisper",
+    "bert",
+    "modernbert",
+    "mixtral",
+    "mixtral_batched_mm",
+    "qwen2_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "vit",
+    "xlm",
+    "flux",
+    "dit",
+)
+
+
+def loss(model: Any, kind: str, generator: Any) -> Any:
+    """One training loss of ``model`` on a random batch of its kind."""
+    import torch
+
+    def ids(low: int = 3) -> Any:
+        return torch.randint(low, VOCAB, (BATCH, LENGTH), generator=generator)
+
+    if kind in ("causal", "seq2seq", "masked"):
+        tokens = ids()
+        return model(input_ids=tokens, labels=tokens).loss
+    if kind == "speech":
+        features = torch.randn(BATCH, 16, 16, generator=generator)
+        return model(input_features=features, labels=ids()).loss
+    if kind == "image":
+        pixels = torch.randn(BATCH, 3, 16, 16, generator=generator)
+        return model(pixel_values=pixels, labels=torch.tensor([0, 2])).loss
+    if kind == "flux":
+        out = model(
+            hidden_states=torch.randn(BATCH, 16, 8, generator=generator),
+            encoder_hidden_states=torch.randn(BATCH, 8, 32, generator=generator),
+            pooled_projections=torch.randn(BATCH, 16, generator=generator),
+            timestep=torch.tensor([0.5, 0.3]),
+            img_ids=torch.zeros(16, 3),
+            txt_ids=torch.zeros(8, 3),
+        )
+        return out.sample.square().mean()
+    if kind == "dit":
+        out = model(
+            torch.randn(BATCH, 4, 8, 8, generator=generator),
+            timestep=torch.tensor([3, 7]),
+            class_labels=torch.tensor([1, 4]),
+        )
+        return out.sample.square().mean()
+    raise ValueError(kind)
+
+
+def child(spec: str) -> dict[str, Any]:
+    """Train one model both ways in this process; the record as a dict."""
+    import logging
+
+    import lightning.pytorch as pl
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_regions import RegionalCompileStrategy, region_report
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    source, _, name = spec.partition(":")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model, self.kind = causal_lm(name) if source == "causal-lm" else named(name)
+            for module in self.model.modules():  # compiled graphs draw dropout differently
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+            self.generator = torch.Generator().manual_seed(0)
+            self.losses: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            value = loss(self.model, self.kind, self.generator)
+            self.losses.append(value.item())
+            return value
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def fit(strategy: Any) -> tuple[Module, list[str], float]:
+        module = Module()
+        loader = torch.utils.data.DataLoader(range(BATCH * STEPS), batch_size=BATCH)
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pl.Trainer(
+                strategy=strategy,
+                accelerator="cpu",
+                devices=1,
+                max_steps=STEPS,
+                limit_val_batches=0,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                default_root_dir=tempfile.mkdtemp(),
+            ).fit(module, loader)
+        ours = [
+            f"{w.category.__name__}: {str(w.message)[:600]}"
+            for w in caught
+            if w.category.__module__.startswith("lightning_regions")
+        ]
+        return module, ours, time.perf_counter() - start
+
+    record: dict[str, Any] = {"model": name, "source": source}
+
+    def failed(status: str, error: Exception) -> dict[str, Any]:
+        return {**record, "status": status, "error": f"{type(error).__name__}: {error}"[:300]}
+
+    try:
+        plain, _, _ = fit("auto")
+    except Exception as error:
+        return failed("plain fails", error)
+    try:
+        ours, warned, seconds = fit(RegionalCompileStrategy(backend="aot_eager"))
+    except Exception as error:
+        return failed("ours fails", error)
+    report = region_report(ours)
+    pairs = zip(ours.losses, plain.losses, strict=True)
+    differences = [abs(a - b) / max(abs(b), 1e-6) for a, b in pairs]
+    by_category: dict[str, int] = {}
+    for message in warned:
+        category = message.split(":")[0]
+        by_category[category] = by_category.get(category, 0) + 1
+    return {
+        **record,
+        "status": "trained",
+        "losses_equal": max(differences, default=0.0) <= 1e-5,
+        "max_loss_difference": max(differences, default=0.0),
+        "regions": len(report.rows),
+        "classes": sorted({row.class_name for row in report.rows}),
+        "variants": {v.class_name: len(v.variants) for v in report.variants},
+        "graphs": report.graphs,
+        "graph_breaks": report.graph_breaks,
+        "split_classes": [entry.class_name for entry in report.breaks],
+        "bounded": [entry.class_name for entry in report.per_instance if entry.bounded],
+        "ran_eager": len(report.ran_eager),
+        "never_called": len(report.never_called),
+        "warnings": by_category,
+        "warning_texts": warned,
+        "seconds": round(seconds, 1),
+    }
+
+
+def run_one(spec: str, timeout: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", spec]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"model": spec.partition(":")[2], "status": f"timed out after {timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"model": spec.partition(":")[2], "status": "build fails", "error": last[:300]}
+    return json.loads(lines[-1])
+
+
+def markdown(records: list[dict[str, Any]], title: str) -> str:
+    trained = [r for r in records if r["status"] == "trained"]
+    warned = [r for r in trained if r["warnings"]]
+    lines = [
+        f"# {title}",
+        "",
+        f"{len(records)} tried, {len(trained)} trained by both plain Lightning and ours; "
+        f"losses equal (1e-5) in {sum(r['losses_equal'] for r in trained)}; a warning in "
+        f"{len(warned)}: "
+        + ", ".join(f"{r['model']} ({', '.join(r['warnings'])})" for r in warned),
+        "",
+        "| model | regions | variants | graphs | graph breaks | classes split | bounded | "
+        "eager | not called | warnings | losses equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r["status"] != "trained":
+            lines.append(f"| {r['model']} | {r['status']}: {r.get('error', '')[:80]} |")
+            continue
+        variants = ", ".join(f"{k} {v}" for k, v in r["variants"].items()) or "-"
+        warnings_seen = ", ".join(f"{k} x{v}" for k, v in r["warnings"].items()) or "none"
+        lines.append(
+            f"| {r['model']} | {r['regions']} ({', '.join(r['classes'])[:60]}) | {variants} | "
+            f"{r['graphs']} | {r['graph_breaks']} | {', '.join(r['split_classes']) or '-'} | "
+            f"{', '.join(r['bounded']) or '-'} | {r['ran_eager']} | {r['never_called']} | "
+            f"{warnings_seen} | {'yes' if r['losses_equal'] else r['max_loss_difference']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--sweep", choices=["causal-lm"])
+    parser.add_argument("--only", default="", help="comma-separated model names")
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    if args.child:
+        warnings.filterwarnings("ignore")
+        print(json.dumps(child(args.child)))
+        return
+    if args.sweep:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        names, source, stem = (
+            sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+            "causal-lm",
+            "causal_lm_sweep",
+        )
+        title = "Every transformers *ForCausalLM architecture at 12 layers"
+    else:
+        names, source, stem, title = list(FAMILIES), "named", "families", "Model families"
+    if args.only:
+        names = [name for name in names if name in args.only.split(",")]
+    records = []
+    for name in names:
+        record = run_one(f"{source}:{name}", args.timeout)
+        print(f"{name}: {record['status']} {record.get('warnings', '')}", flush=True)
+        records.append(record)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(records, indent=1))
+    (args.out / f"{stem}.md").write_text(markdown(records, title))
+    print(markdown(records, title))
+
+
+if __name__ == "__main__":
+    main()

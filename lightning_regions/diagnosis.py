@@ -1,0 +1,410 @@
+"""Why a region class compiled more than once or ran in pieces, and what removes it.
+
+Two judgements, from the plan's variants and torch's own records:
+
+- **Recompiles per instance.** A class whose instances compiled graphs of their own is
+  judged against its variants (``variants.py``): one graph per variant, or a per-instance
+  number that torch compiles as a constant once and symbolic after (2 graphs whatever the
+  depth), is bounded and reported as such; more graphs within one variant, a
+  recompile-limit hit or a region left eager grow with depth, and are warned about with a
+  fix that fits the guard torch recorded.
+- **Graph breaks inside regions.** A region whose observed call ran more than one compiled
+  graph, or during whose calls torch could not compile a frame, runs part of its block
+  eager. torch's reasons (``restart_reasons`` and ``fail_reason`` of each frame it
+  compiled meanwhile) and the frames name where and why.
+
+Plain data in, plain data out: ``report.py`` assembles it, the strategies warn.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from functools import cache
+
+from .variants import ClassVariants, compress_paths
+from .watch import FrameCompile, Guard, parse_guard
+
+#: Up to this many instances of one variant compiling graphs of their own is torch
+#: compiling a per-instance number as a constant once and then as a symbolic value:
+#: bounded, 2 graphs whatever the depth. More (or a recompile-limit hit) grows with depth.
+SYMBOLIC_AFTER_FIRST_CHANGE = 2
+
+
+@dataclass(frozen=True)
+class PerInstanceRecompiles:
+    """One block class whose instances compiled graphs of their own, and why.
+
+    ``bounded``: the graphs do not grow with depth (one per variant, or a per-instance
+    number compiled symbolic after its first change); reported, not warned about.
+    """
+
+    class_name: str
+    instances: int
+    instances_compiled: int
+    instances_eager: int
+    graphs: int
+    limit_hits: int
+    guards: tuple[Guard, ...]
+    fix: str
+    nested: bool = False  # nested regions traced apart, not graphs compiled apart
+    bounded: bool = False
+    variants: int = 1
+
+    def __str__(self) -> str:
+        if self.nested:
+            return (
+                f"nested {self.class_name}: {self.graphs} of {self.instances} instances traced a "
+                "block of their own instead of reusing one, so the compile grows with depth "
+                f"(torch records no guard for it). Fix: {self.fix}"
+            )
+        eager = (
+            f", {self.instances_eager} left eager (recompile-limit hits {self.limit_hits})"
+            if self.instances_eager or self.limit_hits
+            else ""
+        )
+        of_variants = f" ({self.variants} variants)" if self.variants > 1 else ""
+        guards = "; ".join(str(guard) for guard in self.guards) or "not recorded by torch"
+        if self.bounded:
+            return (
+                f"{self.class_name}: {self.graphs} graph(s) from {self.instances_compiled} of "
+                f"{self.instances} instances{of_variants}, bounded: {self.fix} Guard: {guards}."
+            )
+        return (
+            f"{self.class_name}: {self.graphs} graph(s) from {self.instances_compiled} of "
+            f"{self.instances} instances{of_variants}{eager}. Guard that differs per instance: "
+            f"{guards}. Fix: {self.fix}"
+        )
+
+
+@dataclass(frozen=True)
+class ClassRun:
+    """What one region class did, as the judgements need it."""
+
+    class_name: str
+    paths: tuple[str, ...]  # each instance's first path
+    graphs: tuple[int, ...]  # graphs compiled for each instance
+    eager: int  # instances called whose observed calls never ran compiled code
+    reasons: tuple[str, ...]  # torch's recompile reasons for the class's code
+    limit_hits: int
+
+
+def judge_recompiles(
+    run: ClassRun,
+    variants: ClassVariants | None,
+    uncontrolled_cache: str = "",
+    other_classes: tuple[str, ...] = (),
+) -> PerInstanceRecompiles | None:
+    """The judgement of one class's graphs against its variants, or None when one
+    instance compiled everything (or nothing was recorded). ``other_classes``: the plan's
+    other region classes, for a fix that leaves this one out."""
+    guards = _distinct_guards(run.reasons)
+    compiled = [path for path, graphs in zip(run.paths, run.graphs, strict=True) if graphs]
+    if not run.limit_hits and not run.eager and (len(compiled) < 2 or not guards):
+        return None
+    per_variant: dict[int, int] = {}
+    for path in compiled:
+        index = variants.variant_of(path) if variants else 0
+        per_variant[index] = per_variant.get(index, 0) + 1
+    grows = (
+        run.limit_hits > 0
+        or run.eager > 0
+        or max(per_variant.values(), default=0) > SYMBOLIC_AFTER_FIRST_CHANGE
+    )
+    count = len(variants.variants) if variants else 1
+    spread = max(per_variant.values(), default=0) <= 1 and count > 1
+    if grows:
+        fix = fix_for(guards, uncontrolled_cache, run.class_name, other_classes)
+        fix = fix if guards else FIX_UNKNOWN
+    elif spread:
+        fix = "one graph per variant, whatever the depth."
+    else:
+        fix = bounded_fix(guards[0] if guards else None)
+    return PerInstanceRecompiles(
+        class_name=run.class_name,
+        instances=len(run.paths),
+        instances_compiled=len(compiled),
+        instances_eager=run.eager,
+        graphs=sum(run.graphs),
+        limit_hits=run.limit_hits,
+        guards=guards,
+        fix=fix,
+        bounded=not grows,
+        variants=count,
+    )
+
+
+def _distinct_guards(reasons: tuple[str, ...]) -> tuple[Guard, ...]:
+    """Guards not on a tensor input, one per shape (``layers[7]`` and ``layers[6]`` are one),
+    with their locations as the real paths of the files."""
+    distinct: dict[str, Guard] = {}
+    for reason in reasons:
+        guard = parse_guard(reason)
+        if guard.expression and not guard.on_input_tensor:
+            real = Guard(guard.expression, guard.source, real_location(guard.location))
+            distinct.setdefault(re.sub(r"\d+", "N", guard.expression), real)
+    return tuple(distinct.values())
+
+
+FIX_UNKNOWN = (
+    "torch recorded no guard; TORCH_LOGS=recompiles names it. Store per-instance numbers as "
+    "tensor buffers and give every instance the same objects."
+)
+
+
+def is_argument_none(guard: Guard) -> bool:
+    """A guard on a forward argument being ``None`` (or a tensor where it was ``None``)."""
+    text = guard.expression
+    return bool(
+        re.search(r"(args\[\d+\]|L\['\w+'\]|kwargs\['\w+'\]) is (not )?None", text)
+        or ("NoneType" in text and "args[" in text)
+    )
+
+
+def bounded_fix(guard: Guard | None) -> str:
+    """What a bounded class's extra graph is, by the guard torch recorded."""
+    if guard is not None and is_argument_none(guard):
+        return (
+            "a forward argument is None for some instances and a tensor for the others (a "
+            "different call site, as when block 0 computes what the others receive): one "
+            "graph each, whatever the depth."
+        )
+    if guard is not None and re.fullmatch(r"self(\.\w+)+ == .+", guard.expression):
+        return (
+            "a per-instance number, compiled as a constant for the first instance and "
+            "symbolic from the second: 2 graphs whatever the depth. Store it as a tensor "
+            "buffer (register_buffer) for one graph."
+        )
+    return "2 graphs whatever the depth."
+
+
+def reads_a_kv_cache(guard: Guard) -> bool:
+    """A guard on a transformers KV cache, or made by a line that reads one."""
+    text = f"{guard.expression} {guard.source} {guard.location}"
+    return bool(re.search(r"cache_utils|past_key_value|use_cache|\bcache\b", text))
+
+
+def fix_for(
+    guards: tuple[Guard, ...],
+    uncontrolled_cache: str = "",
+    class_name: str = "",
+    other_classes: tuple[str, ...] = (),
+) -> str:
+    """What removes per-instance guards of these kinds (the first decides, unless one
+    reads a KV cache), when the graphs grow with depth. ``uncontrolled_cache`` names a
+    transformers model that builds a KV cache in every forward and takes no
+    ``use_cache`` to turn it off; ``other_classes`` the plan's other region classes."""
+    if not guards:
+        return FIX_UNKNOWN
+    guard = guards[0]
+    text = f"{guard.expression} {guard.source} {guard.location}"
+    if any(reads_a_kv_cache(each) for each in guards):
+        if uncontrolled_cache:
+            without = f" (here regions={sorted(other_classes)!r})" if other_classes else ""
+            return (
+                f"{uncontrolled_cache} builds a KV cache in every forward and takes no "
+                "use_cache to turn it off (nothing the caller passes removes it), and each "
+                f"layer indexes it by its own layer index. Leave {class_name or 'the blocks'} "
+                f"that read the cache out of regions={without}: they run eager, and the "
+                "other blocks compile once."
+            )
+        return (
+            "a transformers KV cache is built in training (config.use_cache=True) and each "
+            "layer indexes it by its layer_idx. The strategies turn it off where not asked "
+            "for (disable_training_kv_cache=True, the default); elsewhere pass use_cache=False."
+        )
+    if "___check_type_id" in text or "___check_obj_id" in text:
+        return (
+            "an attribute whose object or class differs per instance; give every instance "
+            "the same object and class, or choose outside forward."
+        )
+    if is_argument_none(guard):
+        return (
+            "a forward argument that is None for some instances and a tensor for others: "
+            "pass the same kind of value to every instance."
+        )
+    number = re.fullmatch(r"self(\.\w+)+ == (-?[\d.e+-]+)", guard.expression)
+    if number and re.fullmatch(r"-?\d+", number.group(2)):
+        return (
+            "a per-instance int attribute. unspecialize_module_ints=True (the strategies' "
+            "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
+            "symbolic int after the first change; or store it as a tensor buffer."
+        )
+    if number and specialize_float():
+        return (
+            "a per-instance float attribute, specialised because "
+            "torch._dynamo.config.specialize_float is True; set it False (torch's default) "
+            "or store the value as a tensor buffer."
+        )
+    if number:
+        return (
+            "a per-instance float attribute that torch specialised (it could not keep it "
+            "symbolic in this forward); store the value as a tensor buffer, or make it the "
+            "same on every instance."
+        )
+    return (
+        "make the attribute the guard reads the same on every instance, or pass it to "
+        "forward as a tensor."
+    )
+
+
+def specialize_float() -> bool:
+    from .compat import dynamo_config  # a torch private name, read when a fix is chosen
+
+    return bool(dynamo_config().specialize_float)
+
+
+# --- graph breaks inside regions ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegionGraphBreaks:
+    """A region class whose calls ran in pieces: torch's reasons, where, what runs eager."""
+
+    class_name: str
+    regions: tuple[str, ...]  # each affected instance's first path
+    graphs_per_call: int
+    reasons: tuple[str, ...]  # torch's, one line each, with where
+    eager_frames: tuple[str, ...]  # frames torch could not compile at all
+    fix: str
+
+    where: tuple[str, ...] = ()  # the frames torch broke in
+
+    def __str__(self) -> str:
+        eager = (
+            f" Not compiled at all, so eager: {'; '.join(self.eager_frames)}."
+            if self.eager_frames
+            else ""
+        )
+        where = f" Broken in: {'; '.join(self.where)}." if self.where else ""
+        return (
+            f"{self.class_name} ({compress_paths(self.regions)}): each call runs "
+            f"{self.graphs_per_call} compiled graph(s), and what torch broke the graph on "
+            f"runs eager between them. torch's reasons: {'; '.join(self.reasons)}.{where}"
+            f"{eager} Fix: {self.fix}"
+        )
+
+
+@dataclass(frozen=True)
+class RegionFrames:
+    """What one region's observed calls showed of graph breaks."""
+
+    class_name: str
+    path: str
+    graphs_per_call: int
+    frames: tuple[FrameCompile, ...]
+
+
+def find_graph_breaks(regions: list[RegionFrames]) -> tuple[RegionGraphBreaks, ...]:
+    """One entry per region class whose observed calls ran more than one compiled graph
+    or during which torch could not compile a frame."""
+    by_class: dict[str, list[RegionFrames]] = {}
+    for region in regions:
+        split = region.graphs_per_call > 1 or any(frame.failure for frame in region.frames)
+        if split:
+            by_class.setdefault(region.class_name, []).append(region)
+    found = []
+    for class_name, split in by_class.items():
+        frames = [frame for region in split for frame in region.frames]
+        counted: dict[str, int] = {}
+        for frame in frames:
+            for text in frame.breaks:
+                counted[summary(text)] = counted.get(summary(text), 0) + 1
+        reasons = {f"{reason} ({count}x)": None for reason, count in counted.items()}
+        where = dict.fromkeys(shorter(frame) for frame in frames if frame.breaks)
+        failed = dict.fromkeys(
+            f"{shorter(frame)}: {summary(frame.failure)}" for frame in frames if frame.failure
+        )
+        found.append(
+            RegionGraphBreaks(
+                class_name=class_name,
+                regions=tuple(region.path for region in split),
+                graphs_per_call=max(region.graphs_per_call for region in split),
+                reasons=tuple(reasons) or ("not recorded by torch",),
+                eager_frames=tuple(failed),
+                fix=graph_break_fix(frames),
+                where=tuple(where),
+            )
+        )
+    return tuple(found)
+
+
+def summary(reason: str) -> str:
+    """torch's reason in one line: its kind and explanation, ``Dynamic shape operator:
+    Operator `aten.nonzero.default`'s output shape depends on input Tensor data.``"""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    explanation = next((line for line in lines if line.startswith("Explanation:")), "")
+    text = lines[0] + (
+        f": {explanation.removeprefix('Explanation:').strip()}" if explanation else ""
+    )
+    return text[:200]
+
+
+def hints(reason: str) -> list[str]:
+    return [
+        line.strip().removeprefix("Hint:").strip()
+        for line in reason.splitlines()
+        if line.strip().startswith("Hint:")
+    ]
+
+
+def shorter(frame: FrameCompile) -> str:
+    """A frame as ``forward at <real file>:<line>``; a resume function says where it
+    resumes (``forward, resumed at line 79``)."""
+    resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+)_at_(\d+)", frame.name)
+    name = f"{resumed.group(1)}, resumed at line {resumed.group(2)}" if resumed else frame.name
+    return f"{name} in {frame.filename}:{frame.line}"
+
+
+#: transformers' MoE experts, measured: batched_mm compiles them in one graph.
+EXPERTS_FIX = (
+    "the experts of a transformers MoE model: set its experts_implementation to "
+    "'batched_mm' (from_pretrained(..., experts_implementation='batched_mm'), or "
+    "config._experts_implementation before building the model). Measured on Mixtral and "
+    "DeepSeek-V3 at 12 layers: one graph per layer, no graph break, losses equal to eager. "
+    "Its cost: one weight slice per token-expert pair, so memory grows with tokens x top_k."
+)
+
+
+def graph_break_fix(frames: list[FrameCompile]) -> str:
+    """What removes the breaks: for transformers' MoE experts, what was measured to
+    work; else torch's own hints; else where to look."""
+    text = " ".join(
+        f"{frame.filename} {frame.name} {frame.breaks} {frame.failure}" for frame in frames
+    )
+    if "transformers" in text and re.search(r"moe|expert", text, re.IGNORECASE):
+        return EXPERTS_FIX
+    found = dict.fromkeys(
+        h for frame in frames for r in (*frame.breaks, frame.failure) for h in hints(r)
+    )
+    if found:
+        return f"torch's hint: {'; '.join(found)} (not turned on for you)."
+    return "TORCH_LOGS=graph_breaks names each break and its line."
+
+
+# --- locations -----------------------------------------------------------------------
+
+
+def real_location(location: str) -> str:
+    """torch's location of a guard (``transformers/models/t5/modeling_t5.py:337 in
+    forward``, cut to a common prefix with torch's own path, sometimes mid-name) with the
+    real path of the file, found among the imported modules; unchanged when none ends so."""
+    match = re.match(r"(.+?\.py)(:\d+.*)$", location)
+    if not match:
+        return location
+    real = _file_ending_with(match.group(1))
+    return f"{real}{match.group(2)}" if real else location
+
+
+@cache
+def _file_ending_with(tail: str) -> str:
+    found = {
+        getattr(module, "__file__", None) or ""
+        for module in list(sys.modules.values())
+        if (getattr(module, "__file__", None) or "").endswith(tail)
+    }
+    found.discard("")
+    return found.pop() if len(found) == 1 else ""
