@@ -10,9 +10,13 @@ process with a fresh, empty ``TORCHINDUCTOR_CACHE_DIR`` (triton's cache lives un
    in place, ours with ``granularity="nested"`` and torch's ``nested_compile_region`` on
    the block class by hand (``benchmarks/compile_time.py --device cuda``), each with its
    first step's largest output and gradient error against eager;
-2. ``RegionalCompileStrategy`` with ``mode="reduce-overhead"`` (CUDA graphs) against the
+2. the steady step of the same six at the deepest depth by the measurement protocol: all
+   six in one process, warmed, timed in 30 rounds interleaved across them, the median of
+   round medians and paired ratios with their uncertainty (``benchmarks/steady_step.py``,
+   ``benchmarks/protocol.py``);
+3. ``RegionalCompileStrategy`` with ``mode="reduce-overhead"`` (CUDA graphs) against the
    default mode: 20 steps each, steady step (``examples/resume_run.py``);
-3. a warm resume from checkpoint artifacts into an empty cache directory, against cold.
+4. a warm resume from checkpoint artifacts into an empty cache directory, against cold.
 
 Sizes are chosen to finish in about 6 minutes on one H200 (budget: 8). Writes
 ``gpu_check.json`` and ``gpu_check.md`` to ``--out`` and prints the ratios. Without a
@@ -76,6 +80,13 @@ def cold_starts(device: str, depths: list[int], width: int) -> dict:
     }
 
 
+def steady_steps(device: str, depths: list[int], width: int) -> dict:
+    from steady_step import run_isolated
+
+    settings = argparse.Namespace(width=width, rounds=30, steps=3, device=device)
+    return {str(depth): run_isolated(depth, 1, settings) for depth in depths}
+
+
 def modes(device: str) -> dict:
     from warm_start import accelerator, start
 
@@ -105,9 +116,8 @@ def markdown(results: dict) -> str:
         lines.append(f"cold starts failed: {cold['error']}")
     else:
         lines += [
-            "| depth | variant | first step (s) | vs whole | steady step (ms) | vs whole | "
-            "peak GPU (MB) | max gradient error |",
-            "|---|---|---|---|---|---|---|---|",
+            "| depth | variant | first step (s) | vs whole | peak GPU (MB) | max gradient error |",
+            "|---|---|---|---|---|---|",
         ]
         for depth, rows in cold.items():
             whole = rows["whole"]
@@ -115,9 +125,24 @@ def markdown(results: dict) -> str:
                 lines.append(
                     f"| {depth} | {variant} | {row['first_step_s']:.1f} | "
                     f"{row['first_step_s'] / whole['first_step_s']:.2f}x | "
-                    f"{row['steady_step_ms']:.2f} | "
-                    f"{row['steady_step_ms'] / whole['steady_step_ms']:.2f}x | "
                     f"{row['peak_gpu_mb']:.0f} | {row['gradient_error']:.1e} |"
+                )
+    steady = results.get("steady_steps", {})
+    if "error" in steady:
+        lines.append(f"\nsteady steps failed: {steady['error']}")
+    elif steady:
+        lines += [
+            "",
+            "| depth | variant | steady step (ms) | +- | vs whole | vs accelerate |",
+            "|---|---|---|---|---|---|",
+        ]
+        for depth, result in steady.items():
+            ms, ratio = result["ms"], result["ratio"]
+            for variant in VARIANTS:
+                lines.append(
+                    f"| {depth} | {variant} | {ms[variant]:.2f} | "
+                    f"{100 * result['uncertainty'][variant]:.1f}% | "
+                    f"{ratio['whole'][variant]:.3f}x | {ratio['accelerate'][variant]:.3f}x |"
                 )
     for name in ("modes", "warm_resume"):
         part = results.get(name, {})
@@ -146,8 +171,7 @@ def ratios(results: dict) -> list[str]:
                 f"depth {depth}: regional first step {ours['first_step_s']:.1f} s = "
                 f"{whole['first_step_s'] / ours['first_step_s']:.1f}x faster than whole-model "
                 f"({whole['first_step_s']:.1f} s), "
-                f"{ours['first_step_s'] / rows['accelerate']['first_step_s']:.2f}x accelerate; "
-                f"steady step {ours['steady_step_ms'] / whole['steady_step_ms']:.2f}x whole"
+                f"{ours['first_step_s'] / rows['accelerate']['first_step_s']:.2f}x accelerate"
             )
         if {"whole", "nested", "torch_nested"} <= set(rows):
             nested, whole, torch_nested = rows["nested"], rows["whole"], rows["torch_nested"]
@@ -155,10 +179,19 @@ def ratios(results: dict) -> list[str]:
                 f"depth {depth}: nested first step {nested['first_step_s']:.1f} s = "
                 f"{nested['first_step_s'] / whole['first_step_s']:.2f}x whole, "
                 f"{nested['first_step_s'] / torch_nested['first_step_s']:.2f}x torch's nested by "
-                f"hand; steady step {nested['steady_step_ms'] / whole['steady_step_ms']:.2f}x "
-                f"whole; gradient error {nested['gradient_error']:.1e} (torch's by hand "
+                f"hand; gradient error {nested['gradient_error']:.1e} (torch's by hand "
                 f"{torch_nested['gradient_error']:.1e})"
             )
+    for depth, result in results.get("steady_steps", {}).items():
+        if depth == "error":
+            continue
+        whole, accelerate = result["ratio"]["whole"], result["ratio"]["accelerate"]
+        within = result["ratio_uncertainty"]["whole"]["regional_inplace"]
+        lines.append(
+            f"depth {depth}: steady step, regions {whole['regional_inplace']:.3f}x whole "
+            f"(+-{100 * within:.1f}%) and {accelerate['regional_inplace']:.3f}x accelerate, "
+            f"nested {whole['nested']:.3f}x whole"
+        )
     modes = results.get("modes", {})
     if "reduce-overhead" in modes and "default" in modes:
         ratio = modes["reduce-overhead"]["steady_step_ms"] / modes["default"]["steady_step_ms"]
@@ -181,6 +214,8 @@ def main() -> None:
     results: dict = {"machine": machine, "depths": args.depths}
     started = time.perf_counter()
     step("cold_starts", results, lambda: cold_starts(args.device, args.depths, args.width))
+    deepest = [max(args.depths)]
+    step("steady_steps", results, lambda: steady_steps(args.device, deepest, args.width))
     step("modes", results, lambda: modes(args.device))
     step("warm_resume", results, lambda: warm_resume(args.device))
     results["seconds"] = time.perf_counter() - started

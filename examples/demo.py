@@ -4,7 +4,7 @@ show what it saves, side by side with eager, whole-model torch.compile and accel
 The main run is ``lightning-regions fit --config configs/regional.yaml`` (inductor, one
 CPU device, a cold cache), in this process with Lightning's progress bar; its report
 comes first. The table's rows, ours included, train the same model on the same data,
-each in its own quiet process with a fresh inductor cache (``examples/demo_table.py``),
+each in its own process with a fresh inductor cache (``examples/demo_table.py``),
 so that no row pays for a progress bar the others do not draw.
 """
 
@@ -39,14 +39,11 @@ def main_job() -> None:
     hparams = {k: v for k, v in regional.model.hparams.items() if not k.startswith("_")}
     loads = demo_table.checkpoint_verdict(checkpoint, hparams)
 
-    print("\nTraining the same model each way, each in a fresh, quiet process...")
+    print("\nTraining the same model each way, each in a fresh process, then timing them warm...")
     data = regional.datamodule
     size = {k: regional.model.hparams[k] for k in ("block_size", "n_layer", "n_head", "n_embd")}
     size["batch_size"] = data.batch_size
-    steps = regional.trainer.max_steps
-    rows = [
-        demo_table.run_in_fresh_process(name, "inductor", size, steps) for name in demo_table.ROWS
-    ]
+    _, table = demo_table.build_table("inductor", size, regional.trainer.max_steps)
 
     print("\n==================== lightning_regions demo ====================")
     print(f"regions compiled: {len(report.rows)} distinct, {report.graphs} graph(s)")
@@ -63,7 +60,7 @@ def main_job() -> None:
         "graph(s): the eval graph (compiled during the sanity check) and the train graph"
     )
     print(f"checkpoint: {checkpoint} (loads strictly into the plain GPTModule: {loads})\n")
-    print(demo_table.format_table(rows))
+    print(table)
 
 
 if __name__ == "__main__":
