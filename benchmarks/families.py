@@ -10,6 +10,7 @@ every warning of lightning_regions, by category.
     python benchmarks/families.py                    # the named families
     python benchmarks/families.py --sweep causal-lm  # every *ForCausalLM architecture
     python benchmarks/families.py --sweep causal-lm --only llama,gpt2
+    python benchmarks/families.py --sweep causal-lm --resume  # go on where one stopped
 
 Writes ``families.{json,md}`` or ``causal_lm_sweep.{json,md}`` to ``--out``.
 """
@@ -96,6 +97,8 @@ def shrink(config: Any) -> Any:
             setattr(config, name, 1)
         elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
             shrink(value)
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # multi-head latent attention
+        config.head_dim = config.qk_rope_head_dim  # what rotary embeddings are built with
     return config
 
 
@@ -379,6 +382,7 @@ def main() -> None:
     parser.add_argument("--sweep", choices=["causal-lm"])
     parser.add_argument("--only", default="", help="comma-separated model names")
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--resume", action="store_true", help="keep the records in --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.child:
@@ -398,13 +402,19 @@ def main() -> None:
         names, source, stem, title = list(FAMILIES), "named", "families", "Model families"
     if args.only:
         names = [name for name in names if name in args.only.split(",")]
-    records = []
+    results = args.out / f"{stem}.json"
+    done = json.loads(results.read_text()) if args.resume and results.exists() else []
+    records = [record for record in done if record["model"] in names]
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
+        if any(record["model"] == name for record in records):
+            continue
         record = run_one(f"{source}:{name}", args.timeout)
         print(f"{name}: {record['status']} {record.get('warnings', '')}", flush=True)
         records.append(record)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(records, indent=1))
+        results.write_text(json.dumps(records, indent=1))  # a long sweep keeps what it has
+    records.sort(key=lambda record: names.index(record["model"]))
+    results.write_text(json.dumps(records, indent=1))
     (args.out / f"{stem}.md").write_text(markdown(records, title))
     print(markdown(records, title))
 
