@@ -10,7 +10,8 @@ the validation sanity check).
 
 ``disable_kv_cache_unless_asked`` registers a forward pre-hook on each outermost
 ``PreTrainedModel`` that passes ``use_cache=False`` when the caller did not pass
-``use_cache`` itself. ``generate()`` always passes it (``model_kwargs["use_cache"]``),
+``use_cache`` itself (by keyword where its ``forward`` takes none but hands its
+``**kwargs`` to a model that does). ``generate()`` always passes it (``model_kwargs["use_cache"]``),
 so generation keeps the cache; so does any call with ``use_cache=True``. The config is
 not changed, and the strategies remove the hook at teardown. The returned cache is the
 only difference, so losses and logits are unchanged.
@@ -47,6 +48,42 @@ def _use_cache_position(module: nn.Module) -> int | None:
     return None
 
 
+def _forwards_use_cache(module: nn.Module) -> bool:
+    """``forward`` takes no ``use_cache`` but passes its ``**kwargs`` on, and a
+    transformers model inside takes one: a ``use_cache`` keyword reaches that model
+    (GraniteMoE's and Fuyu's ``*ForCausalLM``, Gemma 3's and GOT-OCR2's
+    ``*ForConditionalGeneration`` build the cache in the model they wrap)."""
+    parameters = inspect.signature(type(module).forward).parameters.values()
+    if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return False
+    return any(
+        inner is not module
+        and is_transformers_model(inner)
+        and _use_cache_position(inner) is not None
+        for inner in module.modules()
+    )
+
+
+def _cache_on(module: nn.Module) -> bool:
+    """Whether the config of ``module`` or of a transformers model inside it turns the
+    cache on (a multimodal model's own config may have no ``use_cache``: Fuyu's and
+    Gemma 3's live in their ``text_config``, which the language model inside reads)."""
+    return any(
+        getattr(getattr(inner, "config", None), "use_cache", False)
+        for inner in module.modules()
+        if is_transformers_model(inner)
+    )
+
+
+def _cache_switch(module: nn.Module) -> tuple[bool, int | None]:
+    """Whether a ``use_cache`` argument reaches ``module``'s KV cache, and where it sits
+    among ``forward``'s positional parameters (None: by keyword only)."""
+    position = _use_cache_position(module)
+    if position is not None:
+        return True, position
+    return _forwards_use_cache(module), None
+
+
 def outermost_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(path, model)`` of each outermost transformers model under ``root``."""
     found, inside = [], set()
@@ -64,11 +101,7 @@ def models_without_use_cache(root: nn.Module | None) -> list[str]:
     if root is None:
         return []
     return sorted(
-        {
-            type(model).__name__
-            for _, model in outermost_models(root)
-            if _use_cache_position(model) is None
-        }
+        {type(model).__name__ for _, model in outermost_models(root) if not _cache_switch(model)[0]}
     )
 
 
@@ -77,9 +110,8 @@ def disable_kv_cache_unless_asked(root: nn.Module) -> list[str]:
     model under ``root`` whose config turns the cache on; return their paths."""
     changed = []
     for path, module in outermost_models(root):
-        position = _use_cache_position(module)
-        config = getattr(module, "config", None)
-        if position is None or not getattr(config, "use_cache", False):
+        switch, position = _cache_switch(module)
+        if not switch or not _cache_on(module):
             continue
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             handle = module.register_forward_pre_hook(
@@ -92,16 +124,18 @@ def disable_kv_cache_unless_asked(root: nn.Module) -> list[str]:
 
 class WithoutCacheUnlessAsked:
     """The forward pre-hook: ``use_cache=False`` unless the caller passed ``use_cache``
-    (by keyword, or as positional argument ``position``). An object, not a closure, so a
-    model saved with ``torch.save`` while the strategy holds it still pickles."""
+    (by keyword, or as positional argument ``position``; None: it has no position). An
+    object, not a closure, so a model saved with ``torch.save`` while the strategy holds
+    it still pickles."""
 
-    def __init__(self, position: int) -> None:
+    def __init__(self, position: int | None) -> None:
         self.position = position
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if "use_cache" in kwargs or len(args) > self.position:
+        passed = self.position is not None and len(args) > self.position
+        if "use_cache" in kwargs or passed:
             return None  # the caller chose
         return args, {**kwargs, "use_cache": False}
 

@@ -162,6 +162,64 @@ def test_the_hook_turns_the_cache_off_unless_the_caller_asks_for_it():
     assert model(input_ids=ids).past_key_values is not None
 
 
+def kv_cache_of(output: object) -> object:
+    """The KV cache a transformers output returns (``cache`` from 5.24, before that
+    ``past_key_values``), or None."""
+    return getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+
+
+def test_the_hook_reaches_a_cache_built_inside_a_model_whose_forward_takes_no_use_cache():
+    # GraniteMoeForCausalLM.forward takes no use_cache (transformers 5.24) and hands its
+    # **kwargs to GraniteMoeModel, which builds the cache: 4 of 12 layers ran eager in the
+    # causal-LM sweep before the hook passed the keyword on
+    torch.manual_seed(0)
+    config = transformers.GraniteMoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    model, ids = transformers.GraniteMoeForCausalLM(config).eval(), torch.randint(0, VOCAB, (2, 8))
+    expected = model(input_ids=ids)
+    assert kv_cache_of(expected) is not None
+    assert disable_kv_cache_unless_asked(model) == [""]
+    assert kv_cache_of(model(input_ids=ids)) is None
+    assert kv_cache_of(model(input_ids=ids, use_cache=True)) is not None  # the caller chose
+    torch.testing.assert_close(model(input_ids=ids).logits, expected.logits)
+    restore_kv_cache(model)
+    assert kv_cache_of(model(input_ids=ids)) is not None
+
+
+def test_the_hook_is_set_where_only_the_text_config_turns_the_cache_on():
+    # FuyuConfig has no use_cache of its own; its text_config's turns the cache on in the
+    # language model inside (so in Gemma 3 and GOT-OCR2): 4 of 12 layers ran eager in the
+    # sweep while the hook looked at the outer config only
+    config = transformers.FuyuConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        patch_size=2,
+        num_channels=1,
+        text_config={
+            "model_type": "persimmon",
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        },
+    )
+    model, ids = transformers.FuyuForCausalLM(config).eval(), torch.randint(0, VOCAB, (2, 8))
+    assert config.text_config.use_cache  # FuyuConfig has a use_cache of its own in 5.0, not 5.24
+    assert kv_cache_of(model(input_ids=ids)) is not None
+    assert disable_kv_cache_unless_asked(model) == [""]
+    assert kv_cache_of(model(input_ids=ids)) is None
+    restore_kv_cache(model)
+
+
 # Synthetic blocks: a per-layer attribute read in forward.
 
 
