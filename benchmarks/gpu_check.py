@@ -18,7 +18,7 @@ process with a fresh, empty ``TORCHINDUCTOR_CACHE_DIR`` (triton's cache lives un
    default mode: 20 steps each, steady step (``examples/resume_run.py``);
 4. a warm resume from checkpoint artifacts into an empty cache directory, against cold.
 
-Sizes are chosen to finish in about 6 minutes on one H200 (budget: 8). Writes
+Sizes are chosen to finish in about 7 minutes on one H200 (estimated; budget: 8). Writes
 ``gpu_check.json`` and ``gpu_check.md`` to ``--out`` and prints the ratios. Without a
 GPU it says so and exits with status 2. ``--device cpu --depths 1 --width 32`` runs the
 same steps on a CPU, small, to check the script itself before a GPU session.
