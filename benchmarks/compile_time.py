@@ -48,7 +48,6 @@ TIMED_STEPS = 10
 
 def build(variant: str, depth: int, width: int, device: str = "cpu"):
     """The model for ``variant`` on ``device``, ready to be called."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from examples.tiny_gpt import GPTConfig, TinyGPT

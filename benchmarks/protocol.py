@@ -20,8 +20,9 @@
 - **CPU time beside wall time** (``CpuClock``): this process and all its children,
   inductor's compile workers and the g++ they run included, live or finished. Unlike wall
   time it hardly moves when another program takes cores.
-- **Threads stated** (``threads``); a single-thread run where a ratio is the point, since
-  one thread does not wait at a barrier for a descheduled sibling.
+- **Threads stated** (``torch.get_num_threads()`` beside each figure); a single-thread
+  run where a ratio is the point, since one thread does not wait at a barrier for a
+  descheduled sibling.
 - **A disturbed measurement says so** (``disturbance``): other programs' CPU use during
   the measurement (from ``/proc/stat``, this process tree's own use taken out) above
   ``BUSY_CORES``, or an uncertainty above ``UNCERTAINTY_LIMIT``, is named instead of
@@ -143,13 +144,6 @@ def interleave(
                 round_times.append(time.perf_counter() - start)
             times[name].append(round_times)
     return times
-
-
-def threads() -> int:
-    """torch's intra-op thread count, as measurements state it."""
-    import torch
-
-    return torch.get_num_threads()
 
 
 class CpuClock:
