@@ -56,4 +56,4 @@ gpu-check:
 	PYTHONPATH=. $(GPU_PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .venv-torch-* .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-torch-* .venv-ci-torch .pytest_cache .ruff_cache .hypothesis
