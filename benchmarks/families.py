@@ -82,6 +82,7 @@ SIZES = {
     ),
 }
 LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types")
+SECTIONS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
@@ -99,6 +100,12 @@ def shrink(config: Any) -> Any:
             shrink(value)
     if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # multi-head latent attention
         config.head_dim = config.qk_rope_head_dim  # what rotary embeddings are built with
+    if all(isinstance(getattr(config, name, None), int) for name in SECTIONS):
+        # looped models (dory): input, recurrent and output sections that add up to DEPTH;
+        # the defaults (8 + 20 + 8) would run some layers in two sections, each writing
+        # its keys into the same training KV-cache slot
+        for name, layers in zip(SECTIONS, (2, DEPTH - 4, 2), strict=True):
+            setattr(config, name, layers)
     return config
 
 
