@@ -43,6 +43,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/compile_time.py
 	$(PY) benchmarks/steady_step.py
+	$(PY) benchmarks/first_step_load.py
 	$(PY) benchmarks/warm_start.py
 	$(PY) benchmarks/steady_state.py
 	$(PY) benchmarks/fsdp.py
