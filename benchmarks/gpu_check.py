@@ -131,19 +131,9 @@ def markdown(results: dict) -> str:
     if "error" in steady:
         lines.append(f"\nsteady steps failed: {steady['error']}")
     elif steady:
-        lines += [
-            "",
-            "| depth | variant | steady step (ms) | +- | vs whole | vs accelerate |",
-            "|---|---|---|---|---|---|",
-        ]
-        for depth, result in steady.items():
-            ms, ratio = result["ms"], result["ratio"]
-            for variant in VARIANTS:
-                lines.append(
-                    f"| {depth} | {variant} | {ms[variant]:.2f} | "
-                    f"{100 * result['uncertainty'][variant]:.1f}% | "
-                    f"{ratio['whole'][variant]:.3f}x | {ratio['accelerate'][variant]:.3f}x |"
-                )
+        from steady_step import table_lines
+
+        lines += ["", *table_lines(list(steady.values()))]
     for name in ("modes", "warm_resume"):
         part = results.get(name, {})
         if "error" in part:

@@ -115,16 +115,10 @@ def run_isolated(depth: int, threads: int, args: argparse.Namespace) -> dict:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def markdown(results: list[dict], args: argparse.Namespace) -> str:
-    from compile_time import machine
-
+def table_lines(results: list[dict]) -> list[str]:
+    """The table of steady steps and paired ratios, one row per (result, variant), each
+    figure with its uncertainty."""
     lines = [
-        f"Machine: {machine()}, device {args.device}. Tiny GPT, width {args.width}, batch "
-        f"8x128, forward and backward. Steady step: the median of {args.rounds} round "
-        f"medians, {args.steps} steps per variant per round, rounds interleaved across the "
-        f"variants in one process, after {protocol.WARMUP_STEPS} warm steps. Ratios: the "
-        "median of per-round ratios (paired rounds). +-: the median's uncertainty (notch).",
-        "",
         "| depth | threads | variant | steady step (ms) | +- | vs whole | +- | vs accelerate "
         "| +- |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -139,6 +133,21 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
                 f"{ratio['accelerate'][variant]:.3f}x | "
                 f"{100 * within['accelerate'][variant]:.1f}% |"
             )
+    return lines
+
+
+def markdown(results: list[dict], args: argparse.Namespace) -> str:
+    from compile_time import machine
+
+    lines = [
+        f"Machine: {machine()}, device {args.device}. Tiny GPT, width {args.width}, batch "
+        f"8x128, forward and backward. Steady step: the median of {args.rounds} round "
+        f"medians, {args.steps} steps per variant per round, rounds interleaved across the "
+        f"variants in one process, after {protocol.WARMUP_STEPS} warm steps. Ratios: the "
+        "median of per-round ratios (paired rounds). +-: the median's uncertainty (notch).",
+        "",
+        *table_lines(results),
+    ]
     disturbed = protocol.disturbance(
         [r["other_cores"] for r in results],
         [u for r in results for by in r["ratio_uncertainty"].values() for u in by.values()],
