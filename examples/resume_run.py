@@ -1,9 +1,10 @@
 """Train (or resume) the example GPT once with RegionalCompileStrategy, in this process.
 
-    python examples/resume_run.py --run-dir R --cache-dir C --steps N [--ckpt R/last.ckpt]
+    python examples/resume_run.py --run-dir R --steps N [--cache-dir C] [--ckpt R/last.ckpt]
 
-The strategy keeps its compile cache in ``--cache-dir`` and stores compile-cache
-artifacts in the checkpoints it writes to ``--run-dir``. Prints one JSON line: the
+The strategy compiles into torch's own cache (``$TORCHINDUCTOR_CACHE_DIR``, else torch's
+default), or into ``--cache-dir`` when given, and stores compile-cache artifacts in the
+checkpoints it writes to ``--run-dir``. Prints one JSON line: the
 first step's seconds, the losses, and torch's inductor / AOTAutograd cache counters.
 Used by the warm-start test and ``benchmarks/warm_start.py``.
 """
@@ -27,7 +28,7 @@ from lightning_regions import RegionalCompileStrategy
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--cache-dir", required=True)
+    parser.add_argument("--cache-dir", default=None, help="default: torch's own cache")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--n-layer", type=int, default=2)
@@ -69,6 +70,7 @@ def main() -> None:
         "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
         "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
         "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "aot_miss": counters["aot_autograd"]["autograd_cache_miss"],
     }
     print(json.dumps(result))
 

@@ -1,13 +1,17 @@
-"""Compile caches that travel with a training run.
+"""Compile caches across runs: torch's own cache, and artifacts in checkpoints.
 
 Two mechanisms, both torch's own:
 
-- a cache directory that belongs to the run (``TORCHINDUCTOR_CACHE_DIR``; triton's cache
-  lives under it on GPU), so a second run or a resume on the same disk starts warm;
+- torch's compile cache on disk (``CompileCache``): by default exactly the one a plain
+  ``torch.compile`` run uses (``$TORCHINDUCTOR_CACHE_DIR``, else torch's default), so a
+  second run of the same model starts warm whatever its root, as under plain
+  ``torch.compile``; or a folder the user names, shared by every run that names it;
 - mega-cache artifacts (``torch.compiler.save_cache_artifacts`` /
   ``load_cache_artifacts``) stored in the checkpoint, so a resume on a fresh disk
-  starts warm too. They are guarded by torch version, device type and compile options:
-  on any difference they are ignored with one warning, never half-loaded.
+  starts warm too. torch records an artifact for every graph the process compiles or
+  loads from its cache (a hit is recorded too), so a run that found its graphs warm
+  still carries them. They are guarded by torch version, device type and compile
+  options: on any difference they are ignored with one warning, never half-loaded.
 
 Loading artifacts runs code: inductor unpickles their contents and writes files named
 by their keys. So a checkpoint carries them signed (HMAC-SHA256 over the guard and the
@@ -38,6 +42,7 @@ import torch
 from .compat import (
     CacheArtifactManager,
     clear_inductor_caches,
+    default_inductor_cache_dir,
     inductor_cache_dir,
     registered_artifact_types,
 )
@@ -161,32 +166,83 @@ def check_artifacts(artifacts: bytes, cache_root: str) -> Any:
     return parsed
 
 
-def is_local_path(root: str) -> bool:
-    """False for a URL such as ``s3://bucket/run`` or ``memory://run`` (``file://`` is local)."""
-    return "://" not in root or root.startswith("file://")
+def cache_dir_option(cache_dir: str | os.PathLike[str] | bool | None) -> str | None:
+    """Check a strategy's ``cache_dir`` and return the folder it names, or None for
+    torch's own cache. ``False`` is accepted as None; ``True`` (the per-root folders of
+    earlier versions) is accepted as None with a ``DeprecationWarning``."""
+    if cache_dir is None or cache_dir is False:
+        return None
+    if cache_dir is True:
+        warnings.warn(
+            "cache_dir=True no longer keeps a cache folder per root: regions compile into "
+            "torch's own cache ($TORCHINDUCTOR_CACHE_DIR, else torch's default), which every "
+            "run shares. Leave cache_dir out, or pass a path shared by the runs that name it.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return None
+    if isinstance(cache_dir, (str, os.PathLike)) and os.fspath(cache_dir):
+        return os.fspath(cache_dir)
+    raise ValueError(
+        f"cache_dir={cache_dir!r}: pass a folder path shared by the runs that name it, or "
+        "leave it out (None) for torch's own compile cache."
+    )
 
 
-def run_cache_dir_for(root: str) -> Path:
-    """Where ``cache_dir=True`` keeps the compile cache of runs under ``root`` (a
-    ``default_root_dir``): ``$XDG_CACHE_HOME/lightning_regions/compile/<name>-<hash>``
-    (default ``~/.cache/...``), one folder per root, so a second run or a resume with the
-    same root starts warm, and nothing of ours lands in the run's folder, among its
-    checkpoints, or in the working directory. A remote root gets a local folder too:
-    inductor needs a local path."""
-    key = os.path.realpath(root.removeprefix("file://")) if is_local_path(root) else root
-    name = re.sub(r"[^\w.-]", "_", os.path.basename(key.rstrip("/")) or "root")[:40]
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(cache_home) / "lightning_regions" / "compile" / f"{name}-{digest}"
+class CompileCache:
+    """The compile cache a run writes to, entered at setup and left at teardown.
 
+    ``directory=None`` is torch's own cache, exactly where a plain ``torch.compile`` run
+    would write: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else torch's default. torch keys
+    its FX-graph and AOTAutograd entries by the graph, so every run of the user shares
+    them, whatever its root. A path points ``TORCHINDUCTOR_CACHE_DIR`` there while the run
+    is set up (triton's cache lives under it on GPU), shared by every run that names it.
 
-def use_cache_dir(directory: str | os.PathLike[str]) -> str | None:
-    """Point inductor (and triton, below it) at ``directory``; return the previous value.
-    Nothing is created: torch makes the folder when it first writes there."""
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
-    clear_inductor_caches()  # drop paths torch memoised for the old directory
-    return previous
+    Either way nothing is created: torch makes the folder when it first writes there, and
+    folders that did not exist before the run and are still empty after it are removed
+    (torch makes the folder before it has anything to write: ``torch.compile`` imports
+    its bisector, which asks for the cache directory), so a run whose backend writes
+    nothing leaves nothing.
+    """
+
+    def __init__(self, directory: str | None = None) -> None:
+        self.chosen = directory
+        self._entered = False
+        self._previous: str | None = None
+        self._folders_made: list[Path] = []
+
+    @property
+    def directory(self) -> str:
+        """The folder torch writes this run's compile cache to."""
+        if self._entered or self.chosen is None:
+            return os.path.abspath(
+                os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_inductor_cache_dir()
+            )
+        return os.path.abspath(self.chosen)
+
+    def enter(self) -> None:
+        """Point torch at the cache (once; later calls do nothing)."""
+        if self._entered:
+            return
+        self._folders_made = missing_folders(self.directory)
+        if self.chosen is not None:
+            self._previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.chosen)
+            clear_inductor_caches()  # drop paths torch memoised for the old directory
+        self._entered = True
+
+    def exit(self) -> None:
+        """Give the user's ``TORCHINDUCTOR_CACHE_DIR`` back; remove the empty folders made."""
+        if not self._entered:
+            return
+        if self.chosen is not None:
+            if self._previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = self._previous
+            clear_inductor_caches()
+        remove_empty_folders(self._folders_made)
+        self._entered = False
 
 
 def missing_folders(directory: str | os.PathLike[str]) -> list[Path]:
@@ -200,23 +256,13 @@ def missing_folders(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def remove_empty_folders(folders: list[Path]) -> None:
-    """Remove each of ``folders`` (deepest first) while it is empty: torch makes the cache
-    folder before it has anything to write (``torch.compile`` imports its bisector, which
-    asks for the cache directory), so a run whose backend wrote nothing leaves none."""
+    """Remove each of ``folders`` (deepest first) while it is empty."""
     for folder in folders:
         try:
             folder.rmdir()
         except OSError:  # not empty, or already gone
             if folder.exists():
                 return
-
-
-def restore_cache_dir(previous: str | None) -> None:
-    if previous is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
-    clear_inductor_caches()
 
 
 def artifact_guard(device_type: str, compile_options: dict[str, Any]) -> dict[str, str]:

@@ -55,6 +55,11 @@ PRIVATE_APIS = (
         "knowing every artifact type",
     ),
     ("torch._inductor.runtime.cache_dir_utils", "cache_dir", "where artifacts would land"),
+    (
+        "torch._inductor.runtime.cache_dir_utils",
+        "default_cache_dir",
+        "where torch caches without TORCHINDUCTOR_CACHE_DIR",
+    ),
     ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
     ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
 )
@@ -93,6 +98,9 @@ from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
 from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
 from torch._dynamo.utils import get_compilation_metrics  # noqa: E402
 from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir  # noqa: E402
+from torch._inductor.runtime.cache_dir_utils import (  # noqa: E402
+    default_cache_dir as default_inductor_cache_dir,
+)
 from torch._inductor.utils import clear_caches as clear_inductor_caches  # noqa: E402
 from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager  # noqa: E402
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule  # noqa: E402
@@ -103,6 +111,7 @@ __all__ = [
     "LazyGraphModule",
     "OptimizedModule",
     "clear_inductor_caches",
+    "default_inductor_cache_dir",
     "dynamo_counters",
     "get_compilation_metrics",
     "inductor_cache_dir",

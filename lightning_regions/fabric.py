@@ -34,8 +34,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
         backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
             recompile_warn_threshold, cache_dir, disable_training_kv_cache,
             unspecialize_module_ints, granularity: as for the Trainer's
-            ``lightning_regions.RegionalCompileStrategy``; ``cache_dir=True`` keys the
-            cache folder by the working directory.
+            ``lightning_regions.RegionalCompileStrategy``.
         **kwargs: the Fabric strategy's own arguments.
     """
 
@@ -53,7 +52,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
         recompile_warn_threshold: int | None = 8,
-        cache_dir: str | bool = True,
+        cache_dir: str | None = None,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
         granularity: Literal["regions", "nested"] = "regions",

@@ -44,7 +44,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
             recompile_warn_threshold, cache_dir, trust_unsigned_artifacts,
             disable_training_kv_cache, unspecialize_module_ints: as for
-            ``RegionalCompileStrategy``. Each process keeps its own compile caches.
+            ``RegionalCompileStrategy``.
         granularity: ``"regions"`` only; ``"nested"`` raises (see README, "Granularity").
         reshard_after_forward: when the strategy shards, free each group's gathered
             parameters after its forward (``fully_shard``'s own argument; ``False``
@@ -76,7 +76,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
         recompile_warn_threshold: int | None = 8,
-        cache_dir: str | bool = True,
+        cache_dir: str | None = None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,

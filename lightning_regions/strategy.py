@@ -8,11 +8,9 @@ in-place compilation changes nothing those later steps see but the forward.
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -21,15 +19,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .cache import (
     CHECKPOINT_KEY,
+    CompileCache,
     artifact_guard,
-    is_local_path,
-    missing_folders,
+    cache_dir_option,
     pack_artifacts,
-    remove_empty_folders,
-    restore_cache_dir,
-    run_cache_dir_for,
     unpack_artifacts,
-    use_cache_dir,
 )
 from .compat import OptimizedModule, dynamo_config
 from .compile import (
@@ -95,7 +89,7 @@ class RegionalCompileBase:
         regions: Selectors,
         on_compile_error: str,
         recompile_warn_threshold: int | None,
-        cache_dir: str | bool,
+        cache_dir: str | bool | None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
@@ -119,54 +113,27 @@ class RegionalCompileBase:
         self.regions = regions
         self.on_compile_error = on_compile_error
         self.recompile_warn_threshold = recompile_warn_threshold
-        self.cache_dir = cache_dir
+        self.compile_cache = CompileCache(cache_dir_option(cache_dir))
         self.trust_unsigned_artifacts = trust_unsigned_artifacts
         self.disable_training_kv_cache = disable_training_kv_cache
         self.unspecialize_module_ints = unspecialize_module_ints
         self.granularity = granularity
         self._module_ints_release: weakref.finalize | None = None
         self._kv_cache_module: Any = None
-        self._previous_cache_dir: str | None = None
-        self._cache_folders_made: list[Path] = []
-        self._cache_dir_entered = False
         self._runtime_reported = False
 
-    def run_root_dir(self) -> str:
-        """The run's root, whose compile cache ``cache_dir=True`` picks: the working
-        directory here."""
-        return os.getcwd()
-
-    def run_cache_dir(self) -> str | None:
-        """The directory compile caches go to, or None for torch's default."""
-        if self.cache_dir is False:
-            return None
-        if isinstance(self.cache_dir, str):
-            return self.cache_dir
-        return str(run_cache_dir_for(self.run_root_dir()))
-
-    def _enter_cache_dir(self) -> None:
-        directory = self.run_cache_dir()
-        if directory is not None and not self._cache_dir_entered:
-            self._cache_folders_made = missing_folders(directory)
-            self._previous_cache_dir = use_cache_dir(directory)
-            self._cache_dir_entered = True
-            root = self.run_root_dir()
-            if self.cache_dir is True and not is_local_path(root):
-                rank_zero_info(
-                    f"regional compile: the root {root} is not a local path and inductor "
-                    f"needs one; its compile cache is {directory}"
-                )
+    @property
+    def cache_dir(self) -> str | None:
+        """The folder passed as ``cache_dir``, or None for torch's own compile cache."""
+        return self.compile_cache.chosen
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
-        self._enter_cache_dir()
+        self.compile_cache.enter()
 
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
-        if self._cache_dir_entered:
-            restore_cache_dir(self._previous_cache_dir)
-            remove_empty_folders(self._cache_folders_made)
-            self._cache_dir_entered = False
+        self.compile_cache.exit()
         if self._module_ints_release is not None:
             self._module_ints_release()  # once; a weakref.finalize does nothing the second time
             self._module_ints_release = None
@@ -198,7 +165,7 @@ class RegionalCompileBase:
     ) -> None:
         """Compile ``module``'s regions in place (by ``plan`` when given) and log them."""
         _refuse_whole_model_compile(module)
-        self._enter_cache_dir()
+        self.compile_cache.enter()
         self._prepare_for_one_graph_per_class(module)
         compile_regions(
             module,
@@ -248,11 +215,6 @@ class RegionalCompileMixin(RegionalCompileBase):
         module = self.lightning_module
         return getattr(module, "_trainer", None) if module is not None else None
 
-    def run_root_dir(self) -> str:
-        """``Trainer(default_root_dir=...)``, or the working directory without a Trainer."""
-        trainer = self.attached_trainer()
-        return trainer.default_root_dir if trainer is not None else os.getcwd()
-
     def artifact_guard(self) -> dict[str, str]:
         device = self.root_device  # type: ignore[attr-defined]
         device_type = device.type
@@ -276,7 +238,7 @@ class RegionalCompileMixin(RegionalCompileBase):
         checkpoint = super().load_checkpoint(*args, **kwargs)  # type: ignore[misc]
         if self.attached_trainer() is None:
             return checkpoint
-        self._enter_cache_dir()  # artifacts are written into the run's cache directory
+        self.compile_cache.enter()  # artifacts are written into the run's compile cache
         unpack_artifacts(
             checkpoint.get(CHECKPOINT_KEY), self.artifact_guard(), self.trust_unsigned_artifacts
         )
@@ -348,10 +310,10 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             region alone runs eager, with a warning.
         recompile_warn_threshold: warn when a block class recompiles this many times
             (``None``: never).
-        cache_dir: where compile caches go: ``True`` for a folder of this run's
-            ``default_root_dir`` under ``$XDG_CACHE_HOME/lightning_regions/compile`` (created
-            only when torch writes there), a path, or ``False`` for torch's default.
-            Checkpoints also carry the artifacts.
+        cache_dir: where compile caches go: ``None`` for torch's own cache, the one a
+            plain ``torch.compile`` run uses (``$TORCHINDUCTOR_CACHE_DIR``, else torch's
+            default), shared by every run; or a folder, shared by every run that names
+            it. Checkpoints also carry the compiled artifacts.
         trust_unsigned_artifacts: load compile artifacts from checkpoints not signed
             with this user's key. They run code when loaded: only for checkpoints you trust.
         disable_training_kv_cache: pass ``use_cache=False`` to transformers models in
@@ -384,7 +346,7 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
         recompile_warn_threshold: int | None = 8,
-        cache_dir: str | bool = True,
+        cache_dir: str | None = None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
@@ -479,7 +441,7 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
         recompile_warn_threshold: int | None = 8,
-        cache_dir: str | bool = True,
+        cache_dir: str | None = None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,

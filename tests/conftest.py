@@ -19,9 +19,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 @pytest.fixture(autouse=True, scope="session")
 def own_config_and_cache_home(tmp_path_factory):
-    """The artifact signing key and the default compile caches of the test session live
-    in a temporary config home and cache home."""
-    homes = {"XDG_CONFIG_HOME": "config", "XDG_CACHE_HOME": "cache"}
+    """The artifact signing key, the cache home and torch's compile cache (the strategies'
+    default) of the test session live in temporary folders: the suite neither reads a
+    warm cache of an earlier session nor leaves one."""
+    homes = {
+        "XDG_CONFIG_HOME": "config",
+        "XDG_CACHE_HOME": "cache",
+        "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    }
     previous = {name: os.environ.get(name) for name in homes}
     for name, folder in homes.items():
         os.environ[name] = str(tmp_path_factory.mktemp(folder))

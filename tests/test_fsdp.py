@@ -25,7 +25,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from examples.lightning_gpt import GPTModule
 from examples.tiny_gpt import GPTConfig, TinyGPT
 from lightning_regions import RegionalCompileFSDPStrategy, find_regions
-from lightning_regions.cache import run_cache_dir_for
 from lightning_regions.sharding import mixed_precision_policy, shard_by_plan
 
 SCRIPT = Path(__file__).parent / "fsdp_run.py"
@@ -146,7 +145,7 @@ def test_bf16_mixed_policy_and_reshard_option_equal_plain_fsdp2_with_the_same(ru
 
 
 @pytest.mark.ddp
-def test_each_rank_falls_back_to_eager_and_keeps_the_run_cache_dir(runs):
+def test_each_rank_falls_back_to_eager_and_keeps_the_users_cache_dir(runs):
     plain = ranks(runs, "plain")
     for rank, result in enumerate(ranks(runs, "per_rank_eager_fallback")):
         assert result["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-6)
@@ -155,7 +154,7 @@ def test_each_rank_falls_back_to_eager_and_keeps_the_run_cache_dir(runs):
         # one warning names the failed regions; the not-compiled one does not repeat them
         assert sum(w.startswith("RegionCompileWarning") for w in result["warnings"]) == 1
         assert not any(w.startswith("RegionNotCompiledWarning") for w in result["warnings"])
-        expected = run_cache_dir_for(str(runs / "per_rank_eager_fallback"))
+        expected = runs / "per_rank_eager_fallback" / "users_cache"
         assert Path(result["cache_dir"]) == expected
 
 

@@ -25,7 +25,6 @@ from lightning_regions import (
     TiedWeightsCheck,
     TiedWeightsError,
 )
-from lightning_regions.cache import run_cache_dir_for
 
 SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": 2}
 
@@ -358,8 +357,8 @@ def test_regions_never_called_are_an_info_line_after_the_first_step_not_a_warnin
     assert "2 region(s) not called in the first step" in caplog.text and "unused.0-1" in caplog.text
 
 
-def test_the_cache_dir_is_the_roots_own_while_set_up_and_is_restored(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "outside"))
+def test_the_cache_is_the_users_own_unless_a_folder_is_named_and_is_restored(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users"))
     seen = []
 
     class SeenCacheDir(pl.Callback):
@@ -368,8 +367,8 @@ def test_the_cache_dir_is_the_roots_own_while_set_up_and_is_restored(tmp_path, m
 
     strategy = RegionalCompileStrategy(backend="eager")
     trainer(tmp_path, strategy, steps=1, callbacks=[SeenCacheDir()]).fit(gpt(), data())
-    assert seen == [strategy.run_cache_dir()] == [str(run_cache_dir_for(str(tmp_path)))]
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "outside")
     given = RegionalCompileStrategy(backend="eager", cache_dir=str(tmp_path / "mine"))
-    trainer(tmp_path, given, steps=1).fit(gpt(), data())
-    assert given.run_cache_dir() == str(tmp_path / "mine")
+    trainer(tmp_path / "other", given, steps=1, callbacks=[SeenCacheDir()]).fit(gpt(), data())
+    assert seen == [str(tmp_path / "users"), str(tmp_path / "mine")]
+    assert strategy.cache_dir is None and given.cache_dir == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "users")

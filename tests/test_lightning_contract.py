@@ -1,7 +1,8 @@
 """What Lightning's and PEFT's users already rely on, kept under the strategies: the
 tie check on fine-tuning recipes, ``torch.save`` of a trained model and of the Trainer,
 checkpoint folders and the working directory left as plain Lightning leaves them, a
-remote ``default_root_dir``, and ``strategy.load_checkpoint`` before a model is attached.
+remote ``default_root_dir``, torch's own compile cache, and ``strategy.load_checkpoint``
+before a model is attached.
 
 Built on Lightning's own ``BoringModel``, ``ModelCheckpoint`` and checkpoint connector,
 each checked against plain Lightning where Lightning has something to compare with."""
@@ -9,7 +10,6 @@ each checked against plain Lightning where Lightning has something to compare wi
 from __future__ import annotations
 
 import copy
-import logging
 import os
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from lightning_regions import (
     TiedWeightsError,
     region_report,
 )
-from lightning_regions.cache import run_cache_dir_for
+from lightning_regions.cache import cache_dir_option
 from lightning_regions.graph import model_class
 
 
@@ -61,39 +61,41 @@ def files_below(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("chosen", [None, "mine"])
 def test_a_fit_whose_backend_writes_nothing_creates_no_folder_anywhere(
-    tmp_path, monkeypatch, backend
+    tmp_path, monkeypatch, backend, chosen
 ):
     work, root = tmp_path / "work", tmp_path / "root"
     work.mkdir()
     monkeypatch.chdir(work)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "outside"))
-    strategy = RegionalCompileStrategy(backend=backend)
+    cache_dir = str(tmp_path / chosen / "cache") if chosen else None
+    strategy = RegionalCompileStrategy(backend=backend, cache_dir=cache_dir)
     fit(root, strategy, callbacks=[ModelCheckpoint(dirpath=root)])
     assert os.listdir(root) == ["epoch=0-step=3.ckpt"]  # what plain Lightning writes
     assert os.listdir(work) == []
-    assert strategy.run_cache_dir() == str(run_cache_dir_for(str(root)))
-    assert not Path(strategy.run_cache_dir()).exists()
-    assert not (tmp_path / "outside").exists()
+    assert sorted(os.listdir(tmp_path)) == ["root", "work"]  # neither cache folder made
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "outside")  # restored
 
 
 @pytest.mark.inductor
-def test_with_inductor_the_cache_is_the_roots_own_and_the_checkpoint_folder_holds_checkpoints(
+def test_with_inductor_the_cache_is_torchs_and_the_checkpoint_folder_holds_checkpoints(
     tmp_path, monkeypatch
 ):
-    work, root = tmp_path / "work", tmp_path / "root"
+    work, root, users = tmp_path / "work", tmp_path / "root", tmp_path / "users_cache"
     work.mkdir()
     monkeypatch.chdir(work)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(users))
     fit(root, RegionalCompileStrategy(), callbacks=[ModelCheckpoint(dirpath=root)])
     assert os.listdir(root) == ["epoch=0-step=3.ckpt"]
     assert os.listdir(work) == []
-    assert files_below(run_cache_dir_for(str(root)))  # torch wrote its cache there
+    assert files_below(users)  # torch wrote its cache where the user said
+    assert not (Path(os.environ["XDG_CACHE_HOME"]) / "lightning_regions").exists()
 
 
-def test_a_remote_root_creates_no_local_folder_named_after_it(tmp_path, monkeypatch, caplog):
+def test_a_remote_root_creates_no_local_folder_and_keeps_torchs_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users_cache"))
     seen = {}
 
     class SeenCacheDir(pl.Callback):
@@ -102,17 +104,18 @@ def test_a_remote_root_creates_no_local_folder_named_after_it(tmp_path, monkeypa
 
     trainer = fit("memory://run", RegionalCompileStrategy(backend="eager"), 2, [SeenCacheDir()])
     assert os.listdir(tmp_path) == []  # no 'memory:' folder in the working directory
-    assert seen["cache"] == str(run_cache_dir_for("memory://run"))
-    notes = [r.message for r in caplog.records if "is not a local path" in r.message]
-    assert len(notes) == 1 and "memory://run" in notes[0]
+    assert seen["cache"] == str(tmp_path / "users_cache")
     assert trainer.checkpoint_callback.best_model_path.startswith("memory://run")
 
 
-def test_the_default_cache_is_one_folder_per_root():
-    assert run_cache_dir_for("/runs/a") != run_cache_dir_for("/runs/b")
-    assert run_cache_dir_for("/runs/a/") == run_cache_dir_for("/runs/a")
-    assert run_cache_dir_for("/runs/a").name.startswith("a-")
-    assert Path(os.environ["XDG_CACHE_HOME"]) in run_cache_dir_for("/runs/a").parents
+def test_cache_dir_names_a_folder_or_torchs_own_cache(tmp_path):
+    assert cache_dir_option(None) is None and cache_dir_option(False) is None
+    assert cache_dir_option(tmp_path / "shared") == str(tmp_path / "shared")
+    with pytest.warns(DeprecationWarning, match="no longer keeps a cache folder per root"):
+        assert cache_dir_option(True) is None
+    for wrong in ("", 3):
+        with pytest.raises(ValueError, match=f"cache_dir={wrong!r}: pass a folder path"):
+            RegionalCompileStrategy(cache_dir=wrong)
 
 
 # --- torch.save and deepcopy of what was trained ------------------------------------
