@@ -48,6 +48,10 @@ bench: install
 	$(PY) benchmarks/steady_state.py
 	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/real_model.py
+	$(PY) benchmarks/repeated_runs.py
+	$(PY) benchmarks/ddp_cache.py
+	$(PY) benchmarks/generating_eval.py
+	$(PY) benchmarks/generating_eval.py --backend inductor --sanity 1
 
 # On a GPU machine: its own python3 and this source tree, nothing installed. Here the
 # venv's python, which finds no GPU and says so.

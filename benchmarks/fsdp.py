@@ -77,7 +77,7 @@ def run_worker(variant: str, depth: int, width: int, steps: int, result_path: Pa
     config |= {"n_head": 4, "n_embd": width}
     if variant.startswith("regional"):
         model = GPTModule(**config)
-        strategy = RegionalCompileFSDPStrategy(process_group_backend="gloo", cache_dir=False)
+        strategy = RegionalCompileFSDPStrategy(process_group_backend="gloo")
         strategy.compile_before_shard = variant == "regional_compile_first"
     else:
         model = ShardedGPT(**config)

@@ -88,7 +88,7 @@ def prepare(name: str, module: Any, backend: str) -> Any:
     elif name == "lightning_regions":
         from lightning_regions import RegionalCompileStrategy
 
-        return RegionalCompileStrategy(backend=backend, cache_dir=False)
+        return RegionalCompileStrategy(backend=backend)  # torch's cache: the row's own
     return "auto"
 
 
@@ -165,7 +165,7 @@ def steady_steps(names: list[str], backend: str, size: dict, caches: dict[str, s
 
     from examples.lightning_gpt import CharDataModule, GPTModule
     from lightning_regions import compile_regions, end_observation
-    from lightning_regions.cache import use_cache_dir
+    from lightning_regions.cache import CompileCache
 
     torch.set_num_threads(1)
     data = CharDataModule(block_size=size["block_size"], batch_size=size["batch_size"])
@@ -178,7 +178,7 @@ def steady_steps(names: list[str], backend: str, size: dict, caches: dict[str, s
         if prepare(name, module, backend) != "auto":  # ours: what the strategy does
             compile_regions(module, inplace=True, root_is_called=False, backend=backend)
         optimizer = module.configure_optimizers()
-        use_cache_dir(caches[name])  # its own run's warm cache
+        CompileCache(caches[name]).enter()  # its own run's warm cache
 
         def step(module: Any = module, optimizer: Any = optimizer) -> None:
             module.training_step(batch, 0).backward()

@@ -67,9 +67,9 @@ def main() -> None:
         cls = lightning_regions.fabric.RegionalCompileStrategy
         if strategy.endswith("ddp"):
             cls = lightning_regions.fabric.RegionalCompileDDPStrategy
-            strategy = cls(backend=args.backend, process_group_backend="gloo", cache_dir=False)
+            strategy = cls(backend=args.backend, process_group_backend="gloo")
         else:
-            strategy = cls(backend=args.backend, cache_dir=False)
+            strategy = cls(backend=args.backend)
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     model, losses = train(fabric, args.steps)

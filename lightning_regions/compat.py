@@ -62,6 +62,7 @@ PRIVATE_APIS = (
     ),
     ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
     ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
+    ("torch._dynamo.config", "recompile_limit", "warning of recompiles before the limit"),
 )
 
 
@@ -264,3 +265,9 @@ def registered_artifact_types() -> set[str]:
 def dynamo_config() -> Any:
     """``torch._dynamo.config``, the module whose flags we read and set."""
     return torch._dynamo.config
+
+
+def recompile_limit() -> int:
+    """dynamo's ``recompile_limit``: the graphs one code object may compile before torch
+    runs it eager (8 by default)."""
+    return int(torch._dynamo.config.recompile_limit)

@@ -1,6 +1,6 @@
 """Why a region class compiled more than once or ran in pieces, and what removes it.
 
-Two judgements, from the plan's variants and torch's own records:
+Three judgements, from the plan's variants and torch's own records:
 
 - **Recompiles per instance.** A class whose instances compiled graphs of their own is
   judged against its variants (``variants.py``): one graph per variant, or a per-instance
@@ -12,6 +12,9 @@ Two judgements, from the plan's variants and torch's own records:
   graph, or during whose calls torch could not compile a frame, runs part of its block
   eager. torch's reasons (``restart_reasons`` and ``fail_reason`` of each frame it
   compiled meanwhile) and the frames name where and why.
+- **A fallback at any step.** A region class whose code reached dynamo's recompile limit
+  during some phase (a validation that generates, ``predict``, a later epoch) runs eager
+  from then on, in every phase: named with the phase, torch's guard and the fix.
 
 Plain data in, plain data out: ``report.py`` assembles it, the strategies warn.
 """
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from .variants import ClassVariants, compress_paths
-from .watch import FrameCompile, Guard, parse_guard
+from .watch import ClassRecompiles, FrameCompile, Guard, parse_guard
 
 #: Up to this many instances of one variant compiling graphs of their own is torch
 #: compiling a per-instance number as a constant once and then as a symbolic value:
@@ -253,6 +256,66 @@ def specialize_float() -> bool:
     from .compat import dynamo_config  # a torch private name, read when a fix is chosen
 
     return bool(dynamo_config().specialize_float)
+
+
+# --- a fallback at any step ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LimitFallback:
+    """A region class whose code reached dynamo's recompile limit during ``phase``."""
+
+    class_name: str
+    phase: str
+    recompiles: int
+    limit: int
+    guards: tuple[Guard, ...]
+    fix: str
+    trained: bool  # training's graph was compiled before the limit was reached
+
+    def __str__(self) -> str:
+        guards = "; ".join(str(guard) for guard in self.guards) or "not recorded by torch"
+        lost = (
+            "the graphs it has still run, but from now on every call that needs a new one "
+            "runs eager, in every phase (training too)"
+            if self.trained
+            else "training has not compiled its graph yet, so its training calls run eager"
+        )
+        return (
+            f"Region class {self.class_name} reached dynamo's recompile limit ({self.limit}) "
+            f"during {self.phase} after {self.recompiles} recompile(s): {lost}. Guard that "
+            f"changed: {guards}. Fix: {self.fix}"
+        )
+
+
+FIX_SHAPES = (
+    "an input's shape changed from call to call (guards on tensor sizes); pad inputs to "
+    "fixed sizes, or leave dynamic=None (torch's default) so that a size that changed "
+    "once is compiled as symbolic."
+)
+
+
+def judge_limit_fallback(
+    entry: ClassRecompiles, phase: str, limit: int, trained: bool
+) -> LimitFallback:
+    """What a recompile-limit hit of ``entry``'s class during ``phase`` means, and its fix
+    (``trained``: after training's first compiled step). torch runs the graphs a code
+    object has when one fits (``FrameAction.RUN_ONLY``) and the call eager otherwise."""
+    guards = _distinct_guards(tuple(entry.reasons))
+    if any(reads_a_kv_cache(guard) for guard in guards) and "training" not in phase:
+        fix = (
+            "a forward given a transformers KV cache outside generate() (a decoding loop of "
+            "your own) indexes it by each layer's index. The strategies run generate() "
+            "eager; run such a loop under torch.compiler.set_stance('force_eager') as well, "
+            "or call generate()."
+        )
+    elif guards:
+        fix = fix_for(guards, class_name=entry.class_name)
+    elif any(parse_guard(reason).on_input_tensor for reason in entry.reasons):
+        fix = FIX_SHAPES
+    else:
+        fix = FIX_UNKNOWN
+    return LimitFallback(entry.class_name, phase, entry.recompiles, limit, guards, fix, trained)
 
 
 # --- graph breaks inside regions ---------------------------------------------------

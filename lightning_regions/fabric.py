@@ -51,7 +51,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
         options: dict[str, Any] | None = None,
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | None = 8,
+        recompile_warn_threshold: int | Literal["auto"] | None = "auto",
         cache_dir: str | None = None,
         disable_training_kv_cache: bool = True,
         unspecialize_module_ints: bool = True,
@@ -82,7 +82,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
         if self._module is not None:
-            self.after_optimizer_step(self._module)
+            # Fabric's loop is the user's: the phase is what ran since the last step.
+            self.after_optimizer_step(self._module, "the calls since the last optimizer step")
         return output
 
     @classmethod

@@ -75,7 +75,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         options: dict[str, Any] | None = None,
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | None = 8,
+        recompile_warn_threshold: int | Literal["auto"] | None = "auto",
         cache_dir: str | None = None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,

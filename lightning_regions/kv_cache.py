@@ -1,4 +1,5 @@
-"""transformers' KV cache, kept off where nothing asked for it.
+"""transformers' KV cache: kept off where nothing asked for it, and generation, which
+keeps it, run eager.
 
 A transformers model (a ``PreTrainedModel``) whose config says ``use_cache=True`` builds
 a ``DynamicCache`` in every forward, training and validation included, although a
@@ -17,6 +18,18 @@ not changed, and the strategies remove the hook at teardown. The returned cache 
 only difference, so losses and logits are unchanged, unless a forward reads back a cache
 it wrote itself (dory with sections that overlap, 8 + 20 + 8 of 12 layers: see README).
 
+Generation is the one place that reads the cache, and each cached forward guards on a
+per-layer value of it (``cache.layers[i].is_initialized``), so ``generate()`` compiled
+regions would compile one graph per layer until dynamo's recompile limit, which counts
+per code object: from then on the block runs eager everywhere, training included (GPT-2
+and Llama at 12 layers, a ``validation_step`` that generates: 48 of 48 training block
+calls eager). ``eager_generation`` wraps each outermost model's ``generate`` in
+``torch.compiler.set_stance("force_eager")``, as plain Lightning generates (and as it
+does under ``torch.compile(lightning_module)``, whose ``validation_step`` reaches the
+decoder's ``generate`` outside the compiled call): generation compiles nothing, costs
+no block its compiled code, and gives eager's tokens. ``restore_generation`` takes the
+wrapper off.
+
 Plain torch: transformers is recognised by class name and not imported.
 """
 
@@ -25,6 +38,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 #: Set on a model whose hook is registered, so a second setup adds none.
@@ -139,6 +153,43 @@ class WithoutCacheUnlessAsked:
         if "use_cache" in kwargs or passed:
             return None  # the caller chose
         return args, {**kwargs, "use_cache": False}
+
+
+class EagerGenerate:
+    """A model's ``generate`` run under ``torch.compiler.set_stance("force_eager")``.
+
+    Pickled and copied as the model's own ``generate``: a model saved with ``torch.save``
+    or copied while the strategy holds it is a plain model."""
+
+    def __init__(self, generate: Any) -> None:
+        self.generate = generate
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("force_eager"):
+            return self.generate(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, (self.generate.__self__, "generate"))
+
+
+def eager_generation(root: nn.Module) -> list[str]:
+    """Run ``generate()`` of each outermost transformers model under ``root`` eager;
+    return their paths."""
+    changed = []
+    for path, module in outermost_models(root):
+        generate = getattr(module, "generate", None)
+        if generate is None or isinstance(generate, EagerGenerate):
+            continue
+        module.__dict__["generate"] = EagerGenerate(generate)
+        changed.append(path)
+    return changed
+
+
+def restore_generation(root: nn.Module) -> None:
+    """Take the wrappers ``eager_generation`` put on ``root``'s models off."""
+    for module in root.modules():
+        if isinstance(module.__dict__.get("generate"), EagerGenerate):
+            del module.__dict__["generate"]
 
 
 def restore_kv_cache(root: nn.Module) -> None:

@@ -25,7 +25,7 @@ from .cache import (
     pack_artifacts,
     unpack_artifacts,
 )
-from .compat import OptimizedModule, dynamo_config
+from .compat import OptimizedModule, dynamo_config, recompile_limit
 from .compile import (
     compile_regions,
     end_observation,
@@ -33,7 +33,13 @@ from .compile import (
     validate_compile_arguments,
     validate_on_compile_error,
 )
-from .kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
+from .diagnosis import judge_limit_fallback
+from .kv_cache import (
+    disable_kv_cache_unless_asked,
+    eager_generation,
+    restore_generation,
+    restore_kv_cache,
+)
 from .nested import validate_granularity
 from .regions import RegionPlan, Selectors
 from .report import (
@@ -88,7 +94,7 @@ class RegionalCompileBase:
         options: dict[str, Any] | None,
         regions: Selectors,
         on_compile_error: str,
-        recompile_warn_threshold: int | None,
+        recompile_warn_threshold: int | Literal["auto"] | None,
         cache_dir: str | bool | None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
@@ -98,10 +104,13 @@ class RegionalCompileBase:
         validate_compile_arguments(backend, mode, options)
         validate_granularity(granularity)
         validate_on_compile_error(on_compile_error)
-        if recompile_warn_threshold is not None and recompile_warn_threshold < 1:
+        if recompile_warn_threshold != "auto" and (
+            recompile_warn_threshold is not None
+            and (not isinstance(recompile_warn_threshold, int) or recompile_warn_threshold < 1)
+        ):
             raise ValueError(
-                f"recompile_warn_threshold={recompile_warn_threshold}: use a positive count "
-                "or None to turn the warning off."
+                f"recompile_warn_threshold={recompile_warn_threshold!r}: use a positive count, "
+                "'auto' (one less than dynamo's recompile_limit) or None to turn the warning off."
             )
         self.compile_kwargs: dict[str, Any] = {
             "backend": backend,
@@ -112,7 +121,7 @@ class RegionalCompileBase:
         }
         self.regions = regions
         self.on_compile_error = on_compile_error
-        self.recompile_warn_threshold = recompile_warn_threshold
+        self._recompile_warn_threshold = recompile_warn_threshold
         self.compile_cache = CompileCache(cache_dir_option(cache_dir))
         self.trust_unsigned_artifacts = trust_unsigned_artifacts
         self.disable_training_kv_cache = disable_training_kv_cache
@@ -120,7 +129,17 @@ class RegionalCompileBase:
         self.granularity = granularity
         self._module_ints_release: weakref.finalize | None = None
         self._kv_cache_module: Any = None
+        self._generation_module: Any = None
         self._runtime_reported = False
+
+    @property
+    def recompile_warn_threshold(self) -> int | None:
+        """Recompiles of one class that give a ``RecompileStormWarning``: ``"auto"`` is one
+        less than dynamo's ``recompile_limit`` (read when used), so the warning comes
+        while the class still runs compiled, before the next recompile would fall back."""
+        if self._recompile_warn_threshold == "auto":
+            return max(1, recompile_limit() - 1)
+        return self._recompile_warn_threshold
 
     @property
     def cache_dir(self) -> str | None:
@@ -140,11 +159,15 @@ class RegionalCompileBase:
         if self._kv_cache_module is not None:
             restore_kv_cache(self._kv_cache_module)
             self._kv_cache_module = None
+        if self._generation_module is not None:
+            restore_generation(self._generation_module)
+            self._generation_module = None
 
     def _prepare_for_one_graph_per_class(self, module: Any) -> None:
         """Remove the common per-instance recompiles before anything compiles: a transformers
-        KV cache that nobody asked for, and per-instance int attributes (torch's
-        ``allow_unspec_int_on_nn_module``, set while this strategy is set up)."""
+        KV cache that nobody asked for, generation's cached forwards (``generate()`` runs
+        eager), and per-instance int attributes (torch's ``allow_unspec_int_on_nn_module``,
+        set while this strategy is set up)."""
         if self.disable_training_kv_cache:
             models = disable_kv_cache_unless_asked(module)
             if models:
@@ -155,6 +178,14 @@ class RegionalCompileBase:
                     f"indexing it recompiles the block) for {', '.join(models)}; generate() "
                     "and use_cache=True keep it. disable_training_kv_cache=False keeps it on."
                 )
+        generating = eager_generation(module)
+        if generating:
+            self._generation_module = module
+            rank_zero_info(
+                f"regional compile: generate() of {', '.join(generating)} runs eager, as "
+                "plain Lightning runs it (compiled, each cached forward would compile the "
+                "block once per layer until the recompile limit left it eager in training too)"
+            )
         if self.unspecialize_module_ints and self._module_ints_release is None:
             # Released at teardown, or when the module is collected (Fabric has no teardown).
             UnspecializedModuleInts.acquire()
@@ -181,22 +212,48 @@ class RegionalCompileBase:
         rank_zero_info(f"{region_report(module)}")
         self._runtime_reported = False
 
-    def after_optimizer_step(self, module: Any) -> None:
+    def after_optimizer_step(self, module: Any, phase: str = "training") -> None:
         """Watch recompiles; after the first step, report once and end observation."""
         tracker = tracker_of(module)
-        if tracker is not None and self.recompile_warn_threshold is not None:
-            tracker.watch.warn_storms(self.recompile_warn_threshold)
-        if not self._runtime_reported and tracker is not None:
-            self._runtime_reported = True
-            report = region_report(module)
-            end_observation(module)
-            rank_zero_info(runtime_summary(report))
+        if tracker is None:
+            return
+        if self._runtime_reported:
+            self.watch_recompiles(module, phase)
+            return
+        threshold = self.recompile_warn_threshold
+        if threshold is not None:
+            tracker.watch.warn_storms(threshold)
+        self._runtime_reported = True
+        report = region_report(module)
+        end_observation(module)
+        tracker.watch.new_limit_hits()  # the first step's are in the warnings below
+        rank_zero_info(runtime_summary(report))
+        with warnings.catch_warnings():
+            for category in WARNED_AT_FIRST_STEP:
+                warnings.simplefilter("always", category)
+            warn_per_instance_recompiles(report)
+            warn_graph_breaks(report)
+            warn_if_not_compiled(report)
+
+    def watch_recompiles(self, module: Any, phase: str) -> None:
+        """Warn once per region class that reached dynamo's recompile limit since the last
+        look (``RegionNotCompiledWarning``, naming ``phase``, torch's guard and the fix),
+        and of recompile storms. Reads torch's compile records: called at loop ends and
+        optimizer steps, never per region call."""
+        tracker = tracker_of(module)
+        if tracker is None:
+            return
+        for entry in tracker.watch.new_limit_hits():
+            entry.warned = True  # this says more than a storm warning would
+            fallback = judge_limit_fallback(
+                entry, phase, recompile_limit(), trained=self._runtime_reported
+            )
             with warnings.catch_warnings():
-                for category in WARNED_AT_FIRST_STEP:
-                    warnings.simplefilter("always", category)
-                warn_per_instance_recompiles(report)
-                warn_graph_breaks(report)
-                warn_if_not_compiled(report)
+                warnings.simplefilter("always", RegionNotCompiledWarning)
+                warnings.warn(str(fallback), RegionNotCompiledWarning, stacklevel=2)
+        threshold = self.recompile_warn_threshold
+        if threshold is not None:
+            tracker.watch.warn_storms(threshold)
 
 
 class RegionalCompileMixin(RegionalCompileBase):
@@ -253,6 +310,22 @@ class RegionalCompileMixin(RegionalCompileBase):
         self.after_optimizer_step(self.lightning_module)
         return output
 
+    def on_validation_end(self) -> None:
+        super().on_validation_end()  # type: ignore[misc]
+        trainer = self.attached_trainer()
+        sanity = trainer is not None and trainer.sanity_checking
+        self.watch_recompiles(
+            self.lightning_module, "the validation sanity check" if sanity else "validation"
+        )
+
+    def on_test_end(self) -> None:
+        super().on_test_end()  # type: ignore[misc]
+        self.watch_recompiles(self.lightning_module, "test")
+
+    def on_predict_end(self) -> None:
+        super().on_predict_end()  # type: ignore[misc]
+        self.watch_recompiles(self.lightning_module, "predict")
+
 
 #: What the strategies warn about once, after the first optimizer step.
 WARNED_AT_FIRST_STEP = (
@@ -308,8 +381,9 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         regions: class names and/or path globs; default: repeated blocks.
         on_compile_error: ``"raise"`` naming the failing region, or ``"eager"``: that
             region alone runs eager, with a warning.
-        recompile_warn_threshold: warn when a block class recompiles this many times
-            (``None``: never).
+        recompile_warn_threshold: warn when a block class recompiles this many times;
+            ``"auto"``: one less than dynamo's ``recompile_limit`` (7 of torch's 8), so the
+            warning comes before any region falls back; ``None``: never.
         cache_dir: where compile caches go: ``None`` for torch's own cache, the one a
             plain ``torch.compile`` run uses (``$TORCHINDUCTOR_CACHE_DIR``, else torch's
             default), shared by every run; or a folder, shared by every run that names
@@ -345,7 +419,7 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         options: dict[str, Any] | None = None,
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | None = 8,
+        recompile_warn_threshold: int | Literal["auto"] | None = "auto",
         cache_dir: str | None = None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,
@@ -440,7 +514,7 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
         options: dict[str, Any] | None = None,
         regions: str | list[str] | None = None,
         on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | None = 8,
+        recompile_warn_threshold: int | Literal["auto"] | None = "auto",
         cache_dir: str | None = None,
         trust_unsigned_artifacts: bool = False,
         disable_training_kv_cache: bool = True,

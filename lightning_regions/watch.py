@@ -40,6 +40,7 @@ class ClassRecompiles:
     limit_hits: int = 0
     reasons: list[str] = field(default_factory=list)
     warned: bool = False
+    limit_hits_reported: int = 0
 
 
 def _entry_id(metrics: object) -> tuple[object, object]:
@@ -157,6 +158,13 @@ class RecompileWatch:
             if "recompile limit" in (metrics.fail_reason or "").lower():
                 entry.limit_hits += 1
         return self.classes
+
+    def new_limit_hits(self) -> list[ClassRecompiles]:
+        """The classes that reached the recompile limit since the last call (each once)."""
+        new = [entry for entry in self.refresh() if entry.limit_hits > entry.limit_hits_reported]
+        for entry in new:
+            entry.limit_hits_reported = entry.limit_hits
+        return new
 
     def warn_storms(self, threshold: int) -> list[ClassRecompiles]:
         """Warn once per class that reached ``threshold`` recompiles; return those."""

@@ -105,7 +105,7 @@ def make(cls: type[GPTModule] = GPTModule, **overrides: Any) -> GPTModule:
 
 
 def regional(**kwargs: Any) -> RegionalCompileFSDPStrategy:
-    options = {"backend": counting_aot_eager, "process_group_backend": "gloo", "cache_dir": False}
+    options = {"backend": counting_aot_eager, "process_group_backend": "gloo"}
     return RegionalCompileFSDPStrategy(**{**options, **kwargs})
 
 
@@ -248,17 +248,22 @@ class SeenCacheDir(pl.Callback):
 
 
 def scenario_per_rank_eager_fallback(out: Path) -> dict[str, Any]:
-    """on_compile_error="eager", the run's cache directory and the recompile watch."""
+    """on_compile_error="eager", torch's own cache directory and the recompile watch."""
     model, seen = make(), SeenCacheDir()
     strategy = regional(
         backend=failing_backend,
         on_compile_error="eager",
-        cache_dir=True,
         recompile_warn_threshold=1,
-    )
+    )  # the compile cache: torch's own, here the user's TORCHINDUCTOR_CACHE_DIR
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(out / "users_cache")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(model, strategy, out, callbacks=[seen])
+    if previous is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
     result = summary(model)
     result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     result["cache_dir"] = seen.directory

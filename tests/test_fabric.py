@@ -28,7 +28,7 @@ def fabric(strategy="auto") -> Fabric:
 
 
 def regional(**kwargs) -> regional_fabric.RegionalCompileStrategy:
-    return regional_fabric.RegionalCompileStrategy(backend="aot_eager", cache_dir=False, **kwargs)
+    return regional_fabric.RegionalCompileStrategy(backend="aot_eager", **kwargs)
 
 
 def test_the_names_are_registered_with_fabric():

@@ -290,7 +290,7 @@ def test_training_under_the_strategy_equals_plain_lightning_and_checkpoints_stay
 ):
     compiled, plain = gpt(n_layer=DEPTH, unique_blocks=None), gpt(n_layer=DEPTH, unique_blocks=None)
     plain.load_state_dict(compiled.state_dict())
-    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested", cache_dir=False)
+    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested")
     saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RegionNotCompiledWarning)
@@ -316,7 +316,7 @@ def test_training_under_the_strategy_equals_plain_lightning_and_checkpoints_stay
 def test_bf16_mixed_with_gradient_accumulation_equals_plain_lightning(tmp_path):
     ours, plain = gpt(n_layer=4, unique_blocks=None), gpt(n_layer=4, unique_blocks=None)
     plain.load_state_dict(ours.state_dict())
-    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested", cache_dir=False)
+    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested")
     options = {"precision": "bf16-mixed", "accumulate_grad_batches": 2}
     trainer(tmp_path, strategy, callbacks=[TiedWeightsCheck()], **options).fit(ours, data())
     trainer(tmp_path / "plain", "auto", **options).fit(plain, data())
@@ -327,7 +327,7 @@ def test_bf16_mixed_with_gradient_accumulation_equals_plain_lightning(tmp_path):
 def test_ema_equals_plain_lightnings_ema(tmp_path):
     ours, plain = gpt(n_layer=4, unique_blocks=None), gpt(n_layer=4, unique_blocks=None)
     plain.load_state_dict(ours.state_dict())
-    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested", cache_dir=False)
+    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested")
     trainer(tmp_path, strategy, 6, [TiedWeightsCheck(), EMAWeightAveraging(decay=0.5)]).fit(
         ours, data()
     )
@@ -344,9 +344,7 @@ def test_resume_from_a_nested_checkpoint_gives_the_uninterrupted_losses(tmp_path
     # replay a plain DataLoader's order after a resume, so the data is held fixed.
     def run(model, steps, root, **kwargs):
         checkpoint = ModelCheckpoint(dirpath=root, save_last=True)
-        strategy = RegionalCompileStrategy(
-            backend="aot_eager", granularity="nested", cache_dir=False
-        )
+        strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested")
         t = trainer(root, strategy, steps, [checkpoint], limit_train_batches=1)
         t.fit(model, data(), **kwargs)
 
@@ -366,7 +364,7 @@ def test_transformers_decoders_at_depth_12_nest_every_layer_and_train_as_plain(t
     ours, plain = CausalLM(build), CausalLM(build)
     tokens_ = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(tokens_, batch_size=4)
-    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested", cache_dir=False)
+    strategy = RegionalCompileStrategy(backend="aot_eager", granularity="nested")
     torch.manual_seed(1)
     trainer(tmp_path, strategy, steps=2).fit(ours, loader)
     torch.manual_seed(1)
@@ -380,9 +378,7 @@ def test_transformers_decoders_at_depth_12_nest_every_layer_and_train_as_plain(t
 
 
 def test_a_fabric_loop_with_nested_granularity_equals_plain_fabric():
-    strategy = regional_fabric.RegionalCompileStrategy(
-        backend="aot_eager", cache_dir=False, granularity="nested"
-    )
+    strategy = regional_fabric.RegionalCompileStrategy(backend="aot_eager", granularity="nested")
     model, losses = train(Fabric(accelerator="cpu", devices=1, strategy=strategy), steps=3)
     plain_model, plain_losses = train(Fabric(accelerator="cpu", devices=1), steps=3)
     assert losses == pytest.approx(plain_losses, rel=1e-5)
