@@ -153,6 +153,26 @@ def named(name: str) -> tuple[Any, str]:
     if name == "vit":
         config = shrink(t.ViTConfig(image_size=16, patch_size=4, num_labels=3))
         return t.ViTForImageClassification(config), "image"
+    if name == "beit":
+        config = shrink(t.BeitConfig(image_size=16, patch_size=4, num_labels=3))
+        return t.BeitForImageClassification(config), "image"
+    if name == "convnext":  # depths 3, 3, 9, 3
+        config = t.ConvNextConfig(hidden_sizes=[8, 16, 32, 64], num_labels=3)
+        return t.ConvNextForImageClassification(config), "image32"
+    if name == "resnet":  # ResNet-50's depths 3, 4, 6, 3
+        config = t.ResNetConfig(embedding_size=8, hidden_sizes=[16, 32, 64, 128], num_labels=3)
+        return t.ResNetForImageClassification(config), "image32"
+    if name == "mobilenet_v2":
+        config = t.MobileNetV2Config(depth_multiplier=0.25, image_size=32, num_labels=3)
+        return t.MobileNetV2ForImageClassification(config), "image32"
+    if name == "swin_v2":  # depths 2, 2, 6, 2
+        config = t.Swinv2Config(
+            image_size=32, patch_size=2, embed_dim=8, num_heads=[1, 2, 2, 4], window_size=2,
+            num_labels=3,
+        )  # fmt: skip
+        return t.Swinv2ForImageClassification(config), "image32"
+    if name == "deberta_v2":
+        return t.DebertaV2ForMaskedLM(shrink(t.DebertaV2Config())), "masked"
     if name == "flux":
         from diffusers import FluxTransformer2DModel
 
@@ -198,6 +218,12 @@ FAMILIES = (
     "deepseek_v3",
     "gpt_oss",
     "vit",
+    "beit",
+    "convnext",
+    "resnet",
+    "mobilenet_v2",
+    "swin_v2",
+    "deberta_v2",
     "xlm",
     "flux",
     "dit",
@@ -217,8 +243,9 @@ def loss(model: Any, kind: str, generator: Any) -> Any:
     if kind == "speech":
         features = torch.randn(BATCH, 16, 16, generator=generator)
         return model(input_features=features, labels=ids()).loss
-    if kind == "image":
-        pixels = torch.randn(BATCH, 3, 16, 16, generator=generator)
+    if kind in ("image", "image32"):
+        side = 32 if kind == "image32" else 16
+        pixels = torch.randn(BATCH, 3, side, side, generator=generator)
         return model(pixel_values=pixels, labels=torch.tensor([0, 2])).loss
     if kind == "flux":
         out = model(

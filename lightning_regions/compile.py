@@ -21,6 +21,7 @@ from .nested import inductor_options_for_nested, mark_nested, validate_granulari
 from .regions import RegionPlan, Selectors, find_regions, nest_plan
 from .tracking import COMPILE_ERROR_POLICIES, OBSERVED_CALLS, RegionTracker, tracking_backend
 from .trampolines import needs_trampoline, trampoline
+from .variants import find_variants
 
 #: Where the tracker of the last ``compile_regions`` call is kept on the result's root.
 TRACKER_ATTRIBUTE = "_lightning_regions_tracker"
@@ -49,12 +50,14 @@ class InPlace:
         self.compile_kwargs = compile_kwargs
         self.tracker = tracker
         self.compiled_now = 0
+        self.entries = own_entries(tracker.plan)
 
     def region(self, module: nn.Module, original: nn.Module) -> nn.Module:
         if is_compiled(module):
             return module
-        if needs_trampoline(type(module)):
-            call = MethodType(trampoline(type(module)), module)
+        variant = self.entries.get(id(original))
+        if variant is not None:
+            call = MethodType(trampoline(type(module), variant), module)
             module._compiled_call_impl = torch.compile(call, **self.compile_kwargs)
         else:
             module.compile(**self.compile_kwargs)
@@ -67,6 +70,28 @@ class InPlace:
 
     def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
         return module
+
+
+def own_entries(plan: RegionPlan) -> dict[int, int]:
+    """The regions that are compiled through a trampoline (``trampolines``), by
+    ``id(module)``, each with the variant whose entry it uses: torch built-in classes,
+    every region of a class with several variants, and every region of a class whose
+    ``forward`` code another region class of the plan shares. The others are compiled
+    with ``nn.Module.compile`` (their class's ``forward`` is their entry)."""
+    variants = find_variants(plan)
+    codes: dict[object, set[str]] = {}
+    for region in plan.regions:
+        codes.setdefault(type(region.module).forward.__code__, set()).add(region.class_name)
+    entries = {}
+    for region in plan.regions:
+        cls = type(region.module)
+        several = len(variants[region.class_name].variants) > 1
+        shared = len(codes[cls.forward.__code__]) > 1
+        if needs_trampoline(cls) or several or shared:
+            entries[id(region.module)] = (
+                variants[region.class_name].variant_of(region.paths[0]) if several else 0
+            )
+    return entries
 
 
 class OutOfPlace:

@@ -107,9 +107,10 @@ def find_regions(
     if selectors:
         candidates = _select(graph, selectors)
     else:
+        repeated = _repeated_blocks(graph)
         candidates = _from_hints(graph) or [
-            *_repeated_blocks(graph),
-            *_called_in_loops(graph),
+            *repeated,
+            *_without_repeats_inside(_called_in_loops(graph), repeated),
         ]
     if not candidates:
         return _fallback_plan(module, graph, root_is_called)
@@ -329,6 +330,21 @@ def _called_in_loops(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
                 where = f"{model_class(parent).__name__}.forward"
                 found.append((child, f"{model_class(child).__name__} called in a loop in {where}"))
     return found
+
+
+def _without_repeats_inside(
+    looped: list[tuple[nn.Module, str]], repeated: list[tuple[nn.Module, str]]
+) -> list[tuple[nn.Module, str]]:
+    """The blocks called in a loop that hold no repeated block: a container such as
+    DeBERTa's encoder (its ``forward`` reaches ``self.encoder`` in a loop over
+    ``z_steps``) holds the real repeats, its layers, which are compiled instead, one graph
+    for all of them, rather than the whole encoder as one region."""
+    inner = {id(block) for block, _ in repeated}
+    return [
+        (block, why)
+        for block, why in looped
+        if not any(id(m) in inner for m in block.modules() if m is not block)
+    ]
 
 
 def _attributes_loaded_in_loops(code: CodeType, self_name: str | None = None) -> set[str]:

@@ -22,7 +22,7 @@ from torch import nn
 from .compat import dynamo_counters, get_compilation_metrics
 from .graph import unwrap
 from .regions import RegionPlan
-from .trampolines import existing_trampoline
+from .trampolines import existing_trampolines
 
 CodeKey = tuple[str, str, int]
 
@@ -111,11 +111,7 @@ def _key(code: CodeType) -> CodeKey:
 def region_codes(module: nn.Module) -> list[CodeType]:
     """The code objects dynamo compiles for a region of this module's class."""
     cls = type(unwrap(module))
-    codes = [cls.forward.__code__]
-    call = existing_trampoline(cls)
-    if call is not None:
-        codes.append(call.__code__)
-    return codes
+    return [cls.forward.__code__, *(call.__code__ for call in existing_trampolines(cls))]
 
 
 class RecompileWatch:

@@ -1,0 +1,208 @@
+"""Families whose blocks come in many variants, built from transformers' configs at their
+real depth (tiny widths): every variant has a compiled entry of its own, so none competes
+for dynamo's per-code-object recompile limit and no region is left eager.
+
+- ResNet-50's shape (stages of 3, 4, 6, 3 bottlenecks): ``ResNetConvLayer`` in 17 variants;
+- MobileNetV2 at its default depth: ``MobileNetV2InvertedResidual`` in 9 variants;
+- Swin V2 (stages of 2, 2, 6, 2): four ``Swinv2Stage`` variants of other resolutions, which
+  automatic dynamic shapes once sent into torch's symbolic-shape solver for minutes;
+- DeBERTa-v2 at 12 layers: its layers are the regions (one graph), not the encoder that
+  ``DebertaV2Model.forward`` reaches in a loop;
+- BART at 12 + 12 layers: encoder and decoder layers share transformers'
+  ``GradientCheckpointingLayer`` forward code, and neither starves the other's limit.
+
+Losses are compared with plain Lightning; eager block calls are counted by a hook on each
+block's first child (a compiled block inlines it; an eager one calls it as Python).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from lightning_regions import (
+    PerInstanceRecompileWarning,
+    RecompileStormWarning,
+    RegionalCompileStrategy,
+    RegionNotCompiledWarning,
+    region_report,
+)
+
+OUR_WARNINGS = (PerInstanceRecompileWarning, RecompileStormWarning, RegionNotCompiledWarning)
+STEPS = 3
+
+
+def resnet50_shaped() -> nn.Module:
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[16, 32, 64, 128])
+    return transformers.ResNetForImageClassification(config)  # depths [3, 4, 6, 3]
+
+
+def mobilenet_v2() -> nn.Module:
+    config = transformers.MobileNetV2Config(depth_multiplier=0.25, image_size=32)
+    return transformers.MobileNetV2ForImageClassification(config)
+
+
+def swin_v2() -> nn.Module:
+    config = transformers.Swinv2Config(
+        image_size=32, patch_size=2, embed_dim=8, num_heads=[1, 2, 2, 4], window_size=2
+    )  # depths [2, 2, 6, 2]
+    return transformers.Swinv2ForImageClassification(config)
+
+
+def deberta_v2() -> nn.Module:
+    config = transformers.DebertaV2Config(
+        hidden_size=32,
+        num_hidden_layers=12,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
+    return transformers.DebertaV2ForMaskedLM(config)
+
+
+def bart() -> nn.Module:
+    config = transformers.BartConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=12,
+        decoder_layers=12,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
+def blocks(model: nn.Module, class_names: tuple[str, ...]) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ in class_names]
+
+
+class Classifier(pl.LightningModule):
+    """An image or token model trained on its own loss, eager block calls counted."""
+
+    def __init__(self, build, block_classes: tuple[str, ...], batch: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = build()
+        self.batch = batch
+        self.losses: list[float] = []
+        self.eager_calls = 0
+        for block in blocks(self.model, block_classes):
+            next(block.children()).register_forward_pre_hook(self.count)
+
+    def count(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.eager_calls += 1
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def images() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.tensor([0, 1])
+    return [
+        {"pixel_values": torch.randn(2, 3, 32, 32, generator=generator), "labels": labels}
+        for _ in range(STEPS)
+    ]
+
+
+def tokens(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for n in lengths:
+        ids = torch.randint(4, 64, (2, n), generator=generator)
+        batches.append({"input_ids": ids, "labels": ids})
+    return batches
+
+
+def fit(module: Classifier, strategy: Any, data: list) -> float:
+    start = time.perf_counter()
+    pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=len(data),
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    return time.perf_counter() - start
+
+
+def ours_and_plain(build, block_classes, data, **options) -> tuple[Classifier, Classifier]:
+    ours = Classifier(build, block_classes, data)
+    with warnings.catch_warnings():
+        for category in OUR_WARNINGS:
+            warnings.simplefilter("error", category)
+        fit(ours, RegionalCompileStrategy(backend="aot_eager", **options), data)
+    plain = Classifier(build, block_classes, data)
+    fit(plain, "auto", data)
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-6)
+    return ours, plain
+
+
+@pytest.mark.parametrize(
+    "build, block_class, variants",
+    [
+        (resnet50_shaped, "ResNetConvLayer", 17),
+        (mobilenet_v2, "MobileNetV2InvertedResidual", 9),
+    ],
+    ids=["resnet50", "mobilenet_v2"],
+)
+def test_cnn_blocks_in_many_variants_all_compile(build, block_class, variants):
+    ours, plain = ours_and_plain(build, (block_class,), images())
+    report = region_report(ours)
+    (listed,) = [v for v in report.variants if v.class_name == block_class]
+    assert len(listed.variants) == variants > 8  # more than torch's recompile limit
+    assert not report.ran_eager and ours.eager_calls == 0
+    assert plain.eager_calls > 0  # the counter counts
+
+
+def test_swin_v2_stages_compile_static_and_start_within_twice_whole_model_compile():
+    ours, _ = ours_and_plain(swin_v2, ("Swinv2Stage",), images())
+    assert ours.eager_calls == 0 and not region_report(ours).ran_eager
+    torch._dynamo.reset()
+    ours_first = Classifier(swin_v2, ("Swinv2Stage",), images()[:1])
+    ours_s = fit(ours_first, RegionalCompileStrategy(backend="aot_eager"), images()[:1])
+    torch._dynamo.reset()
+    whole = Classifier(swin_v2, ("Swinv2Stage",), images()[:1])
+    whole.model.compile(backend="aot_eager")
+    whole_s = fit(whole, "auto", images()[:1])
+    print(f"Swin V2 first step: ours {ours_s:.1f} s, whole-model compile {whole_s:.1f} s")
+    assert ours_s <= 2 * whole_s
+
+
+def test_deberta_v2_compiles_its_twelve_layers_as_regions_in_one_graph():
+    ours, _ = ours_and_plain(deberta_v2, ("DebertaV2Layer",), tokens([16] * STEPS))
+    report = region_report(ours)
+    assert [row.class_name for row in report.rows] == ["DebertaV2Layer"] * 12
+    assert report.graphs == 1 and ours.eager_calls == 0
+
+
+def test_two_block_classes_sharing_gradient_checkpointing_forward_keep_their_own_limits():
+    layers = ("BartEncoderLayer", "BartDecoderLayer")
+    shared = [type(block).forward.__code__ for block in blocks(bart(), layers)]
+    assert len(set(shared)) == 1  # transformers' one forward wrapper for both classes
+    # five lengths, static shapes: five graphs per class, ten in all, past one limit of 8
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ours, _ = ours_and_plain(bart, layers, tokens([8, 10, 12, 14, 16]), dynamic=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 10
+    assert ours.eager_calls == 0 and not region_report(ours).ran_eager
