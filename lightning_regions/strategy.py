@@ -130,7 +130,8 @@ class RegionalCompileBase:
         self._module_ints_release: weakref.finalize | None = None
         self._kv_cache_module: Any = None
         self._generation_module: Any = None
-        self._runtime_reported = False
+        self._runtime_reported = False  # this setup's first optimizer step reported
+        self._trained = False  # some optimizer step ran, in this or an earlier setup
 
     @property
     def recompile_warn_threshold(self) -> int | None:
@@ -223,7 +224,7 @@ class RegionalCompileBase:
         threshold = self.recompile_warn_threshold
         if threshold is not None:
             tracker.watch.warn_storms(threshold)
-        self._runtime_reported = True
+        self._runtime_reported = self._trained = True
         report = region_report(module)
         end_observation(module)
         tracker.watch.new_limit_hits()  # the first step's are in the warnings below
@@ -246,7 +247,7 @@ class RegionalCompileBase:
         for entry in tracker.watch.new_limit_hits():
             entry.warned = True  # this says more than a storm warning would
             fallback = judge_limit_fallback(
-                entry, phase, recompile_limit(), trained=self._runtime_reported
+                entry, phase, recompile_limit(), trained=self._trained
             )
             with warnings.catch_warnings():
                 warnings.simplefilter("always", RegionNotCompiledWarning)
