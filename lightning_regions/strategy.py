@@ -246,9 +246,7 @@ class RegionalCompileBase:
             return
         for entry in tracker.watch.new_limit_hits():
             entry.warned = True  # this says more than a storm warning would
-            fallback = judge_limit_fallback(
-                entry, phase, recompile_limit(), trained=self._trained
-            )
+            fallback = judge_limit_fallback(entry, phase, recompile_limit(), trained=self._trained)
             with warnings.catch_warnings():
                 warnings.simplefilter("always", RegionNotCompiledWarning)
                 warnings.warn(str(fallback), RegionNotCompiledWarning, stacklevel=2)
