@@ -1,4 +1,4 @@
-"""Property test: the invariants of DESIGN.md on random module graphs, in both modes.
+"""Property test: the architecture's invariants on random module graphs, in both modes.
 
 Random graphs nest ``Node``s, ``ModuleList``s, ``Sequential``s and ``ModuleDict``s, and
 mix in aliases (an already-built module registered again), repeated blocks, ``None``
