@@ -4,10 +4,10 @@ Three judgements, from the plan's variants and torch's own records:
 
 - **Recompiles per instance.** A class whose instances compiled graphs of their own is
   judged against its variants (``variants.py``): one graph per variant, or a per-instance
-  number that torch compiles as a constant once and symbolic after (2 graphs whatever the
-  depth), is bounded and reported as such; more graphs within one variant, a
-  recompile-limit hit or a region left eager grow with depth, and are warned about with a
-  fix that fits the guard torch recorded.
+  number (or input size) that torch compiles as a constant once and symbolic after (one
+  graph more per kind of guard, whatever the depth), is bounded and reported as such;
+  more graphs within one variant, a recompile-limit hit or a region left eager grow with
+  depth, and are warned about with a fix that fits the guard torch recorded.
 - **Graph breaks inside regions.** A region whose observed call ran more than one compiled
   graph, or during whose calls torch could not compile a frame, runs part of its block
   eager. torch's reasons (``restart_reasons`` and ``fail_reason`` of each frame it
