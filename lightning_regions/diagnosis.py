@@ -4,10 +4,10 @@ Three judgements, from the plan's variants and torch's own records:
 
 - **Recompiles per instance.** A class whose instances compiled graphs of their own is
   judged against its variants (``variants.py``): one graph per variant, or a per-instance
-  number (or input size) that torch compiles as a constant once and symbolic after (one
-  graph more per kind of guard, whatever the depth), is bounded and reported as such;
-  more graphs within one variant, a recompile-limit hit or a region left eager grow with
-  depth, and are warned about with a fix that fits the guard torch recorded.
+  number that torch compiles as a constant once and symbolic after (2 graphs whatever the
+  depth), is bounded and reported as such; more graphs within one variant, a
+  recompile-limit hit or a region left eager grow with depth, and are warned about with a
+  fix that fits the guard torch recorded.
 - **Graph breaks inside regions.** A region whose observed call ran more than one compiled
   graph, or during whose calls torch could not compile a frame, runs part of its block
   eager. torch's reasons (``restart_reasons`` and ``fail_reason`` of each frame it
@@ -110,11 +110,11 @@ def judge_recompiles(
     for path in compiled:
         index = variants.variant_of(path) if variants else 0
         per_variant[index] = per_variant.get(index, 0) + 1
-    # torch compiles each kind of difference (an int attribute, an input's size) as a
-    # constant once and symbolic after its first change: one graph more per kind, within
-    # a variant, whatever the depth
-    allowed = max(SYMBOLIC_AFTER_FIRST_CHANGE, 1 + len(_guard_kinds(run.reasons)))
-    grows = run.limit_hits > 0 or run.eager > 0 or max(per_variant.values(), default=0) > allowed
+    grows = (
+        run.limit_hits > 0
+        or run.eager > 0
+        or max(per_variant.values(), default=0) > SYMBOLIC_AFTER_FIRST_CHANGE
+    )
     count = len(variants.variants) if variants else 1
     spread = max(per_variant.values(), default=0) <= 1 and count > 1
     if grows:
@@ -136,12 +136,6 @@ def judge_recompiles(
         bounded=not grows,
         variants=count,
     )
-
-
-def _guard_kinds(reasons: tuple[str, ...]) -> set[str]:
-    """The distinct guards torch recompiled on, tensor inputs' included, numbers ignored
-    (``layer_idx == 7`` and ``layer_idx == 8`` are one kind)."""
-    return {re.sub(r"\d+", "N", parse_guard(reason).expression) for reason in reasons} - {""}
 
 
 def _distinct_guards(reasons: tuple[str, ...]) -> tuple[Guard, ...]:
