@@ -110,10 +110,20 @@ def judge_recompiles(
     for path in compiled:
         index = variants.variant_of(path) if variants else 0
         per_variant[index] = per_variant.get(index, 0) + 1
+    # torch compiles each kind of difference (an int attribute, an input's size) as a
+    # constant once and symbolic after its first change: each kind recompiles a variant's
+    # entry at most once, whatever the depth. A kind that recompiles it again, or an
+    # attribute's value guarded by a graph compiled after a change (a float specialised
+    # again per instance), grows with depth.
+    kinds = _recompiles_per_kind(run.reasons)
+    frames = [frame for frame, _kind in kinds]
+    allowed = max([SYMBOLIC_AFTER_FIRST_CHANGE, *(1 + frames.count(f) for f in frames)])
     grows = (
         run.limit_hits > 0
         or run.eager > 0
-        or max(per_variant.values(), default=0) > SYMBOLIC_AFTER_FIRST_CHANGE
+        or max(kinds.values(), default=0) > 1
+        or _specialised_again(run.reasons)
+        or max(per_variant.values(), default=0) > allowed
     )
     count = len(variants.variants) if variants else 1
     spread = max(per_variant.values(), default=0) <= 1 and count > 1
@@ -136,6 +146,44 @@ def judge_recompiles(
         bounded=not grows,
         variants=count,
     )
+
+
+def _recompiles_per_kind(reasons: tuple[str, ...]) -> dict[tuple[str, str], int]:
+    """How often each kind of guard recompiled one compiled entry: by the frame torch
+    names first in each reason (``"3/1: ..."``: frame 3, one per code object, so per
+    variant's entry) and the guard with its values left out (``layer_idx == 1`` and
+    ``layer_idx == 2`` are one kind, as are two objects' ids; a size mismatch at index 2
+    is another kind than one at index 1)."""
+    counts: dict[tuple[str, str], int] = {}
+    for reason in reasons:
+        frame = re.match(r"\s*(\d+)/\d+: ", reason)
+        expression = parse_guard(reason).expression
+        if not expression:
+            continue
+        kind = _without_values(expression)
+        key = (frame.group(1) if frame else "", kind)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _without_values(expression: str) -> str:
+    """A guard with every number left out but a tensor's dimension (``at index 2``)."""
+    parts = re.split(r"(at index \d+)", expression)
+    return "".join(p if p.startswith("at index") else re.sub(r"\d+", "N", p) for p in parts)
+
+
+def _specialised_again(reasons: tuple[str, ...]) -> bool:
+    """An attribute's value guarded by a graph that was itself a recompile (``"0/1:
+    self.scale == 0.1"``: entry 1 specialised the value again rather than keeping it
+    symbolic), in any of the guard failures a reason lists."""
+    for reason in reasons:
+        for line in reason.strip().splitlines():
+            failure = re.match(r"\s*-?\s*\d+/(\d+): (.*)", line)
+            if failure and int(failure.group(1)) > 0:
+                guard = parse_guard(failure.group(2))
+                if not guard.on_input_tensor and re.search(r" == [-\w.'\"]+$", guard.expression):
+                    return True
+    return False
 
 
 def _distinct_guards(reasons: tuple[str, ...]) -> tuple[Guard, ...]:

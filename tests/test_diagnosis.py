@@ -347,3 +347,36 @@ def test_a_per_instance_number_that_grows_with_depth_is_still_warned(tmp_path):
 def test_warning_categories_are_exported():
     assert issubclass(RegionGraphBreakWarning, UserWarning)
     assert issubclass(PerInstanceRecompileWarning, UserWarning)
+
+
+def judged(reasons: tuple[str, ...], graphs: tuple[int, ...]):
+    from lightning_regions.diagnosis import ClassRun, judge_recompiles
+
+    paths = tuple(f"layers.{i}" for i in range(len(graphs)))
+    run = ClassRun("Block", paths, graphs, eager=0, reasons=reasons, limit_hits=0)
+    return judge_recompiles(run, None)
+
+
+def test_each_kind_of_guard_compiled_symbolic_after_its_change_is_bounded():
+    # inkling2's sliding layers: a layer index, then an input's size (the blocks seen so
+    # far): each compiled constant once and symbolic after, 3 graphs whatever the depth
+    reasons = (
+        "1/0: self.layer_idx == 1  # cache_layer_idx = self.layer_idx",
+        "1/1: tensor 'args[1]' size mismatch at index 2. expected 1, actual 2\n"
+        "1/0: self.layer_idx == 1  # cache_layer_idx = self.layer_idx",
+    )
+    assert judged(reasons, (1, 1, 0, 0, 1, 0, 0)).bounded
+
+
+def test_a_value_specialised_again_after_a_change_grows_with_depth():
+    # a float compiled constant again by the graph made after the first change
+    reasons = (
+        "0/0: tensor 'x' requires_grad mismatch. expected requires_grad=0",
+        "0/1: self.scale == 0.1  # (_dynamo/output_graph.py:3375 in remove_tensorify)",
+    )
+    assert not judged(reasons, (1, 1, 1)).bounded
+
+
+def test_one_kind_of_guard_recompiling_again_grows_with_depth():
+    reasons = tuple(f"0/{i}: ___check_obj_id(self.norm, {1000 + i})" for i in range(3))
+    assert not judged(reasons, (1, 1, 1, 1)).bounded
