@@ -97,6 +97,9 @@ def own_entries(plan: RegionPlan) -> dict[int, int]:
 class OutOfPlace:
     """Wrap each region in an ``OptimizedModule``; rebuild parents, share everything else.
 
+    A region that needs an entry of its own (``own_entries``) is called through it by its
+    wrapper, as in place.
+
     Under ``granularity="nested"`` a nested region becomes a marked shallow copy, and a
     unit holding one (already our own copy) is compiled in place, so its keys stay.
     """
@@ -112,6 +115,10 @@ class OutOfPlace:
         if is_compiled(module):
             return module
         compiled = torch.compile(module, **self.compile_kwargs)
+        variant = self.own_copies.entries.get(id(original))
+        if variant is not None:  # the wrapper's call goes through the region's own entry
+            call = MethodType(trampoline(type(module), variant), module)
+            compiled.__dict__["forward"] = torch.compile(call, **self.compile_kwargs)
         if any(hasattr(type(module), name) for name in CONTAINER_PROTOCOL):
             compiled.__class__ = ContainerOptimizedModule
         self.tracker.observe(original, compiled.__dict__, "forward")

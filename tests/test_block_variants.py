@@ -17,6 +17,7 @@ block's first child (a compiled block inlines it; an eager one calls it as Pytho
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from typing import Any
@@ -248,3 +249,24 @@ def test_classes_sharing_forward_code_get_compiled_entries_of_their_own():
             torch.testing.assert_close(block(x), block._call_impl(x))
     names = {m.co_name for m in get_compilation_metrics() if m.co_name}
     assert {"call_SharesForwardA", "call_SharesForwardB"} <= names
+
+
+class Widen(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).relu()
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "in_place"])
+def test_ten_variants_all_compile_with_either_compile_regions(inplace):
+    # ten widths, one class: past dynamo's limit of 8 on one code object
+    model = nn.Sequential(*(Widen(4 + i) for i in range(10)))
+    eager = copy.deepcopy(model)
+    compiled = compile_regions(model, inplace=inplace, backend="eager")
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(compiled(x), eager(x))
+    report = region_report(compiled)
+    assert report.graphs == 10 and not report.ran_eager
