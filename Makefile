@@ -17,6 +17,7 @@ $(STAMP): requirements.txt setup.cfg pyproject.toml
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: lint
 	$(VENV)/bin/pytest

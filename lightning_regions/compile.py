@@ -10,16 +10,17 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from types import MethodType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
-from .compat import OptimizedModule, inductor_modes
+from .compat import OptimizedModule
 from .graph import unwrap
-from .nested import inductor_options_for_nested, mark_nested, validate_granularity
+from .nested import inductor_options_for_nested, mark_nested
+from .options import validate_compile_arguments, validate_granularity, validate_on_compile_error
 from .regions import RegionPlan, Selectors, find_regions, nest_plan
-from .tracking import COMPILE_ERROR_POLICIES, OBSERVED_CALLS, RegionTracker, tracking_backend
+from .tracking import OBSERVED_CALLS, RegionTracker, tracking_backend
 from .trampolines import needs_trampoline, trampoline
 from .variants import find_variants
 
@@ -114,7 +115,7 @@ class OutOfPlace:
             return self.own_copies.region(module, original)
         if is_compiled(module):
             return module
-        compiled = torch.compile(module, **self.compile_kwargs)
+        compiled = cast(OptimizedModule, torch.compile(module, **self.compile_kwargs))
         variant = self.own_copies.entries.get(id(original))
         if variant is not None:  # the wrapper's call goes through the region's own entry
             call = MethodType(trampoline(type(module), variant), module)
@@ -139,17 +140,21 @@ class ContainerOptimizedModule(OptimizedModule):
     """An ``OptimizedModule`` whose source is a container: indexing, ``len`` and
     iteration forward to the source, as attribute access already does."""
 
+    @property
+    def _source(self) -> Any:
+        return self._orig_mod
+
     def __getitem__(self, index: Any) -> Any:
-        return self._orig_mod[index]
+        return self._source[index]
 
     def __len__(self) -> int:
-        return len(self._orig_mod)
+        return len(self._source)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._orig_mod)
+        return iter(self._source)
 
     def __contains__(self, item: Any) -> bool:
-        return item in self._orig_mod
+        return item in self._source
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -326,30 +331,6 @@ def tracked_compile_kwargs(
     tracking = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
     kwargs["backend"] = tracking
     return RegionTracker.start(plan, tracking, on_compile_error, observe_calls), kwargs
-
-
-def validate_on_compile_error(policy: str) -> None:
-    if policy not in COMPILE_ERROR_POLICIES:
-        raise ValueError(f"on_compile_error={policy!r}: use one of {COMPILE_ERROR_POLICIES}.")
-
-
-def validate_compile_arguments(
-    backend: str | Callable[..., Any], mode: str | None, options: dict[str, Any] | None
-) -> None:
-    """Raise ``ValueError``, naming the value and the fix, for arguments torch would refuse."""
-    if not callable(backend):
-        known = torch.compiler.list_backends(exclude_tags=())
-        if backend not in known:
-            raise ValueError(f"Unknown torch.compile backend {backend!r}. Known backends: {known}.")
-    if mode is not None and options is not None:
-        raise ValueError("Pass either mode= or options=, not both (a torch.compile rule).")
-    if mode is None:
-        return
-    known_modes = inductor_modes()
-    if mode not in known_modes:
-        raise ValueError(f"Unknown torch.compile mode {mode!r}. Known modes: {known_modes}.")
-    if backend != "inductor":
-        raise ValueError(f"mode={mode!r} applies to backend='inductor' only, not {backend!r}.")
 
 
 def tracker_of(module: nn.Module) -> RegionTracker | None:

@@ -16,7 +16,8 @@ Three judgements, from the plan's variants and torch's own records:
   during some phase (a validation that generates, ``predict``, a later epoch) runs eager
   from then on, in every phase: named with the phase, torch's guard and the fix.
 
-Plain data in, plain data out: ``report.py`` assembles it, the strategies warn.
+Plain data in, plain data out: the one home of judgements. ``report.py`` assembles the
+data and formats the result; the strategies warn.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 
+from torch import nn
+
+from .kv_cache import models_without_use_cache
+from .nested import NESTED_TRACED_APART_FIX
 from .variants import ClassVariants, compress_paths
 from .watch import ClassRecompiles, FrameCompile, Guard, parse_guard
 
@@ -164,6 +169,33 @@ def _recompiles_per_kind(reasons: tuple[str, ...]) -> dict[tuple[str, str], int]
         key = (frame.group(1) if frame else "", kind)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def uncontrolled_kv_caches(root: nn.Module) -> str:
+    """The transformers models under ``root`` that build a KV cache in every forward and
+    take no ``use_cache`` to turn it off, for the fix text."""
+    return ", ".join(models_without_use_cache(root))
+
+
+def judge_nested_traced(
+    class_name: str, instances: int, traced: int
+) -> PerInstanceRecompiles | None:
+    """A nested region class of which more instances traced a block of their own than
+    torch's symbolic-after-first-change bound, or None: torch without a reuse limit
+    (``compat.NESTED_REUSE_LIMIT``) traces every instance whose guards differ."""
+    if traced <= SYMBOLIC_AFTER_FIRST_CHANGE:
+        return None
+    return PerInstanceRecompiles(
+        class_name=class_name,
+        instances=instances,
+        instances_compiled=traced,
+        instances_eager=0,
+        graphs=traced,
+        limit_hits=0,
+        guards=(),
+        fix=NESTED_TRACED_APART_FIX,
+        nested=True,
+    )
 
 
 def _without_values(expression: str) -> str:
@@ -412,8 +444,7 @@ def find_graph_breaks(regions: list[RegionFrames]) -> tuple[RegionGraphBreaks, .
     or during which torch could not compile a frame."""
     by_class: dict[str, list[RegionFrames]] = {}
     for region in regions:
-        split = region.graphs_per_call > 1 or any(frame.failure for frame in region.frames)
-        if split:
+        if region.graphs_per_call > 1 or any(frame.failure for frame in region.frames):
             by_class.setdefault(region.class_name, []).append(region)
     found = []
     for class_name, split in by_class.items():

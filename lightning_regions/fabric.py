@@ -14,77 +14,58 @@ Fabric's strategy registry: ``Fabric(strategy="regional_compile")``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+from lightning.fabric.strategies import Strategy as FabricStrategy
 from torch import nn
+from typing_extensions import override
 
+from .options import split_options, takes_options
 from .strategy import RegionalCompileBase
 
+#: Fabric's checkpoints carry no compile artifacts: nothing to trust.
+FABRIC_EXCLUDED = ("trust_unsigned_artifacts",)
 
-class RegionalCompileFabricMixin(RegionalCompileBase):
+
+class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     """Compiles the module's regions in place in ``setup_module``; reports after the
-    first optimizer step. Mixed in before a Fabric strategy class, whose own arguments
-    pass through ``**kwargs``.
-
-    Args:
-        backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
-            recompile_warn_threshold, cache_dir, disable_training_kv_cache,
-            unspecialize_module_ints, granularity: as for the Trainer's
-            ``lightning_regions.RegionalCompileStrategy``.
-        **kwargs: the Fabric strategy's own arguments.
-    """
+    first optimizer step. Mixed in before a Fabric strategy class; takes the regional
+    options (as the Trainer's ``RegionalCompileStrategy``, but for
+    ``trust_unsigned_artifacts``: Fabric's checkpoints carry no compile artifacts) and
+    the Fabric strategy's own arguments, all keyword-only."""
 
     strategy_name: str
     description: str
     _module: nn.Module | None = None
+    excluded_options = FABRIC_EXCLUDED
 
-    def __init__(
-        self,
-        backend: str | Callable[..., Any] = "inductor",
-        mode: str | None = None,
-        fullgraph: bool = False,
-        dynamic: bool | None = None,
-        options: dict[str, Any] | None = None,
-        regions: str | list[str] | None = None,
-        on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | Literal["auto"] | None = "auto",
-        cache_dir: str | None = None,
-        disable_training_kv_cache: bool = True,
-        unspecialize_module_ints: bool = True,
-        granularity: Literal["regions", "nested"] = "regions",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._init_regional(
-            backend,
-            mode,
-            fullgraph,
-            dynamic,
-            options,
-            regions,
-            on_compile_error,
-            recompile_warn_threshold,
-            cache_dir,
-            disable_training_kv_cache=disable_training_kv_cache,
-            unspecialize_module_ints=unspecialize_module_ints,
-            granularity=granularity,
-        )
+    def __init__(self, **kwargs: Any) -> None:
+        options, own = split_options(kwargs, self.excluded_options)
+        super().__init__(**own)
+        self._init_regional(options)
 
+    @override
     def setup_module(self, module: nn.Module) -> Any:
         self.compile_in_place(module, root_is_called=True)  # the loop calls the module
         self._module = module
-        return super().setup_module(module)  # type: ignore[misc]
+        return super().setup_module(module)
 
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        output = super().optimizer_step(optimizer, **kwargs)
         if self._module is not None:
             # Fabric's loop is the user's: the phase is what ran since the last step.
-            self.after_optimizer_step(self._module, "the calls since the last optimizer step")
+            phase = "the calls since the last optimizer step"
+            self.reporter.after_optimizer_step(self._module, phase)
         return output
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self.leave_parts()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -93,22 +74,28 @@ class RegionalCompileFabricMixin(RegionalCompileBase):
         )
 
 
+@takes_options(FABRIC_EXCLUDED, base=FabricSingleDeviceStrategy.__init__)
 class RegionalCompileStrategy(RegionalCompileFabricMixin, FabricSingleDeviceStrategy):
     """Fabric on one device with the module's repeated blocks compiled in place.
 
-    Takes the regional arguments (see ``RegionalCompileFabricMixin``) and
-    ``SingleDeviceStrategy``'s ``device``, ``accelerator``, ``checkpoint_io``, ``precision``.
+    Takes the regional options and ``SingleDeviceStrategy``'s ``device``,
+    ``accelerator``, ``checkpoint_io``, ``precision``, all keyword-only.
+
+    Args:
     """
 
     strategy_name = "regional_compile"
     description = "Fabric, single device, repeated blocks compiled in place"
 
 
+@takes_options(FABRIC_EXCLUDED, base=FabricDDPStrategy.__init__)
 class RegionalCompileDDPStrategy(RegionalCompileFabricMixin, FabricDDPStrategy):
     """Fabric DDP with each process's repeated blocks compiled in place before DDP wraps.
 
-    Takes the regional arguments (see ``RegionalCompileFabricMixin``) and every argument
-    of Fabric's ``DDPStrategy`` (``process_group_backend``, ``start_method``...).
+    Takes the regional options and every argument of Fabric's ``DDPStrategy``
+    (``process_group_backend``, ``start_method``...), all keyword-only.
+
+    Args:
     """
 
     strategy_name = "regional_compile_ddp"

@@ -18,7 +18,7 @@ than copying ``setup``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
+from .options import RegionalOptions, takes_options
 from .regions import RegionPlan, find_regions
 from .sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
 from .strategy import RegionalCompileMixin
@@ -37,15 +38,17 @@ class FSDPMeshWarning(UserWarning):
     """The model's FSDP2 mesh covers more processes than the data-parallel size."""
 
 
+@takes_options()
 class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
     """FSDP2 (Lightning's ``ModelParallelStrategy``) with the regions compiled in place.
 
+    When the strategy shards, ``precision=`` sets FSDP2's ``MixedPrecisionPolicy``:
+    ``"bf16-mixed"`` gathers parameters in bfloat16 and reduces gradients in float32;
+    ``"32-true"``, ``"bf16-true"`` and ``"16-true"`` keep the parameters' own dtype.
+    ``granularity="nested"`` raises (see docs/granularity.md). Every argument is
+    keyword-only.
+
     Args:
-        backend, mode, fullgraph, dynamic, options, regions, on_compile_error,
-            recompile_warn_threshold, cache_dir, trust_unsigned_artifacts,
-            disable_training_kv_cache, unspecialize_module_ints: as for
-            ``RegionalCompileStrategy``.
-        granularity: ``"regions"`` only; ``"nested"`` raises (see README, "Granularity").
         reshard_after_forward: when the strategy shards, free each group's gathered
             parameters after its forward (``fully_shard``'s own argument; ``False``
             keeps them until backward: more memory, one all-gather less).
@@ -56,39 +59,25 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         save_distributed_checkpoint: as for ``ModelParallelStrategy``.
         process_group_backend: as for ``ModelParallelStrategy`` (``"gloo"`` on CPU).
         timeout: as for ``ModelParallelStrategy``.
-
-    When the strategy shards, ``precision=`` sets FSDP2's ``MixedPrecisionPolicy``:
-    ``"bf16-mixed"`` gathers parameters in bfloat16 and reduces gradients in float32;
-    ``"32-true"``, ``"bf16-true"`` and ``"16-true"`` keep the parameters' own dtype.
     """
 
     strategy_name = "regional_compile_fsdp"
-    #: Shard first, then compile (see README, "FSDP2"): measured on the first step.
+    #: Shard first, then compile (see docs/fsdp.md): measured on the first step.
     compile_before_shard = False
 
     def __init__(
         self,
-        backend: str | Callable[..., Any] = "inductor",
-        mode: str | None = None,
-        fullgraph: bool = False,
-        dynamic: bool | None = None,
-        options: dict[str, Any] | None = None,
-        regions: str | list[str] | None = None,
-        on_compile_error: Literal["raise", "eager"] = "raise",
-        recompile_warn_threshold: int | Literal["auto"] | None = "auto",
-        cache_dir: str | None = None,
-        trust_unsigned_artifacts: bool = False,
-        disable_training_kv_cache: bool = True,
-        unspecialize_module_ints: bool = True,
-        granularity: Literal["regions", "nested"] = "regions",
+        *,
         reshard_after_forward: bool = True,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **options: Any,
     ) -> None:
-        if granularity == "nested":
+        regional = RegionalOptions(**options)
+        if regional.granularity == "nested":
             raise ValueError(
                 "granularity='nested' is not supported under FSDP2: dynamo does not trace "
                 "the model whole through fully_shard's hooks (measured on torch 2.13: the "
@@ -103,21 +92,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_regional(
-            backend,
-            mode,
-            fullgraph,
-            dynamic,
-            options,
-            regions,
-            on_compile_error,
-            recompile_warn_threshold,
-            cache_dir,
-            trust_unsigned_artifacts,
-            disable_training_kv_cache,
-            unspecialize_module_ints,
-            granularity,
-        )
+        self._init_regional(regional)
         self.reshard_after_forward = reshard_after_forward
         #: Set in ``setup_environment``: True when the LightningModule has no
         #: ``configure_model()`` and the strategy shards by the region plan.
@@ -159,8 +134,8 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
             super().model_to_device()  # the user sharded; compile after device placement
             return
         ModelParallelStrategy.model_to_device(self)
-        module = self.lightning_module
-        plan = find_regions(module, self.regions, root_is_called=False)  # one plan for both
+        module = self.set_up_module()
+        plan = find_regions(module, self.options.regions, root_is_called=False)  # one plan for both
         if self.compile_before_shard:
             self.compile_in_place(module, root_is_called=False, plan=plan)
             self._shard(plan)
@@ -175,7 +150,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         if self._mesh_checked:
             return
         self._mesh_checked = True
-        sharded_over = fsdp_data_parallel_size(self.lightning_module)
+        sharded_over = fsdp_data_parallel_size(self.set_up_module())
         data_parallel = self.device_mesh["data_parallel"].size()
         if sharded_over is not None and sharded_over > data_parallel:
             rank_zero_warn(
@@ -191,7 +166,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
     def _shard(self, plan: RegionPlan) -> None:
         policy = mixed_precision_policy(self.precision_plugin.precision)
         self.sharded_groups += shard_by_plan(
-            self.lightning_module,
+            self.set_up_module(),
             plan,
             self.device_mesh["data_parallel"],
             reshard_after_forward=self.reshard_after_forward,

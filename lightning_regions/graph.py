@@ -8,7 +8,7 @@ parameters) can be recorded, compared and preserved.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,8 +16,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .compat import OptimizedModule
-from .nested import original_class
 
+#: On a nested region's marked subclass (``nested.mark_nested``): the class it marks.
+MARKED_FROM = "_lightning_regions_nested_of"
 #: Path segments added by wrappers, not by the model: ``torch.compile`` registers the
 #: original module as ``_orig_mod`` inside an ``OptimizedModule``.
 WRAPPER_SEGMENTS = frozenset({"_orig_mod"})
@@ -42,7 +43,7 @@ def model_class(module: nn.Module) -> type:
     cls = type(unwrap(module))
     if issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule:
         cls = cls.__bases__[-1]
-    return original_class(cls)
+    return cls.__dict__.get(MARKED_FROM, cls)
 
 
 def join(prefix: str, name: str) -> str:
@@ -129,7 +130,7 @@ class ModuleGraph:
         return [path for path, m in self.modules.items() if m is None]
 
 
-def _groups(named: dict[str, object | None]) -> list[tuple[str, ...]]:
+def _groups(named: Mapping[str, object | None]) -> list[tuple[str, ...]]:
     by_object: dict[int, list[str]] = {}
     for path, obj in named.items():
         if obj is not None:

@@ -101,7 +101,8 @@ def _cache_switch(module: nn.Module) -> tuple[bool, int | None]:
 
 def outermost_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(path, model)`` of each outermost transformers model under ``root``."""
-    found, inside = [], set()
+    found: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()
     for path, module in root.named_modules(remove_duplicate=True):
         if id(module) not in inside and is_transformers_model(module):
             inside.update(id(m) for m in module.modules())

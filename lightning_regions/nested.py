@@ -24,10 +24,8 @@ import torch
 from torch import nn
 
 from .compat import NESTED_BACKWARD_BUFFER_REUSE, inductor_mode_options
+from .graph import MARKED_FROM
 
-GRANULARITIES = ("regions", "nested")
-#: On a marked subclass: the class it marks.
-MARKED_FROM = "_lightning_regions_nested_of"
 #: The higher-order op a nested region becomes in dynamo's graph.
 INVOKE_SUBGRAPH = "invoke_subgraph"
 
@@ -38,33 +36,12 @@ class NestedRegionError(RuntimeError):
     """torch could not compile a region as a nested compile region; names it and the fix."""
 
 
-def validate_granularity(granularity: str) -> None:
-    """Raise ``ValueError`` for an unknown granularity, ``RuntimeError`` for a torch
-    without ``torch.compiler.nested_compile_region`` when ``"nested"`` is asked for."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity={granularity!r}: use one of {GRANULARITIES}.")
-    if granularity == "nested" and not nested_regions_available():
-        raise RuntimeError(
-            f"granularity='nested' needs torch.compiler.nested_compile_region (torch >= 2.8); "
-            f"this is torch {torch.__version__}. Use granularity='regions' or upgrade torch."
-        )
-
-
-def nested_regions_available() -> bool:
-    return callable(getattr(torch.compiler, "nested_compile_region", None))
-
-
-def original_class(cls: type) -> type:
-    """The user's class under a marked subclass (``cls`` itself otherwise)."""
-    return cls.__dict__.get(MARKED_FROM, cls)
-
-
 def is_marked(module: nn.Module) -> bool:
     """True when ``module``'s ``forward`` is a torch nested compile region."""
     return hasattr(type(module).forward, "__marked_compile_region_fn__")
 
 
-def marked_class(cls: type) -> type:
+def marked_class(cls: type[nn.Module]) -> type[nn.Module]:
     """One subclass of ``cls`` per process whose ``forward`` is a nested compile region.
 
     A marked instance pickles and copies as an instance of ``cls`` itself, as torch drops
@@ -74,13 +51,13 @@ def marked_class(cls: type) -> type:
     if marked is None:
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
-            reduced = super(marked, self).__reduce_ex__(protocol)
+            reduced = super(type(self), self).__reduce_ex__(protocol)
             if not isinstance(reduced, tuple):
                 return reduced
             function, arguments, *rest = reduced
-            if not arguments or arguments[0] is not marked:
+            if not arguments or arguments[0] is not type(self):
                 return reduced
-            if function is copyreg.__newobj__:
+            if function is copyreg.__newobj__:  # type: ignore[attr-defined]  # not in typeshed
                 # pickle checks that __newobj__ builds the object's own class: call the
                 # user's class's __new__ instead (protocol 2 and up)
                 return (cls.__new__, (cls, *arguments[1:]), *rest)

@@ -2,7 +2,8 @@
 
 ``region_report(model)`` reads the tracker that ``compile_regions`` left on the model
 and returns plain data that tests and benchmarks use; ``str()`` of it is the table the
-strategy logs.
+strategy logs. It assembles and formats only: every judgement (what is wrong, what is
+bounded, what fixes it) is ``diagnosis.py``'s.
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ from torch import nn
 
 from .compile import tracker_of
 from .diagnosis import (
-    SYMBOLIC_AFTER_FIRST_CHANGE,
     ClassRun,
     PerInstanceRecompiles,
     RegionFrames,
     RegionGraphBreaks,
     find_graph_breaks,
+    judge_nested_traced,
     judge_recompiles,
+    uncontrolled_kv_caches,
 )
 from .graph import join
-from .kv_cache import models_without_use_cache
-from .nested import NESTED_TRACED_APART_FIX
 from .regions import Region, RegionPlan
 from .tracking import RegionStats
 from .variants import ClassVariants, find_variants
@@ -169,11 +169,11 @@ class RegionReport:
             )
         for variants in self.variants:
             lines.append(f"  variants of {variants}")
-        for entry in self.per_instance:
-            label = "graphs of" if entry.bounded else "PER-INSTANCE RECOMPILES:"
-            lines.append(f"  {label} {entry}")
-        for entry in self.breaks:
-            lines.append(f"  GRAPH BREAKS in {entry}")
+        for judged in self.per_instance:
+            label = "graphs of" if judged.bounded else "PER-INSTANCE RECOMPILES:"
+            lines.append(f"  {label} {judged}")
+        for split in self.breaks:
+            lines.append(f"  GRAPH BREAKS in {split}")
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
@@ -252,7 +252,7 @@ def per_instance_recompiles(
         if not row.nested_in:
             by_class.setdefault(row.class_name, []).append(row)
     reasons = {entry.class_name: entry for entry in recompiles}
-    uncontrolled = ", ".join(models_without_use_cache(plan.graph.modules[""]))
+    uncontrolled = uncontrolled_kv_caches(plan.graph.modules[""])
     classes = tuple(dict.fromkeys(row.class_name for row in rows if not row.nested_in))
     found = []
     for class_name, class_rows in by_class.items():
@@ -325,28 +325,15 @@ def _names(nested: Region, unit: Region, path: str) -> bool:
 
 
 def nested_traced_apart(rows: tuple[RegionRow, ...]) -> tuple[PerInstanceRecompiles, ...]:
-    """Nested region classes of which more instances traced a block of their own than
-    torch's symbolic-after-first-change bound: torch without a reuse limit
-    (``compat.NESTED_REUSE_LIMIT``) traces every instance whose guards differ."""
+    """Each nested region class judged on how many instances traced a block of their
+    own (``diagnosis.judge_nested_traced``)."""
     found = []
-    for class_name, (_calls, traced, _reused) in _nested_by_class(
-        tuple(row for row in rows if row.nested_in)
-    ).items():
-        if traced > SYMBOLIC_AFTER_FIRST_CHANGE:
-            instances = sum(1 for row in rows if row.nested_in and row.class_name == class_name)
-            found.append(
-                PerInstanceRecompiles(
-                    class_name=class_name,
-                    instances=instances,
-                    instances_compiled=traced,
-                    instances_eager=0,
-                    graphs=traced,
-                    limit_hits=0,
-                    guards=(),
-                    fix=NESTED_TRACED_APART_FIX,
-                    nested=True,
-                )
-            )
+    nested = tuple(row for row in rows if row.nested_in)
+    for class_name, (_calls, traced, _reused) in _nested_by_class(nested).items():
+        instances = sum(1 for row in nested if row.class_name == class_name)
+        judged = judge_nested_traced(class_name, instances, traced)
+        if judged is not None:
+            found.append(judged)
     return tuple(found)
 
 

@@ -76,8 +76,8 @@ def shard_by_plan(
             fully_shard(region.module, **options)
             groups.append(region.label)
     for names in _child_groups(children):
-        children = [root.get_submodule(name) for name in names]
-        fully_shard(children if len(children) > 1 else children[0], **options)
+        group = [root.get_submodule(name) for name in names]
+        fully_shard(group if len(group) > 1 else group[0], **options)
         groups.append(" + ".join(names))
     log.info("fully_shard applied to %d group(s): %s", len(groups), "; ".join(groups))
     return groups

@@ -61,11 +61,12 @@ def check_ties(
             broken.append(BrokenGroup("module alias", group, f"{len(objects)} distinct modules"))
     held = Counter(id(param) for param in optimizer_params)
     for group in recorded.own_tie_groups():
-        params = [live.parameters.get(path) for path in group]
-        if any(p is None for p in params):
-            gone = [path for path, p in zip(group, params, strict=True) if p is None]
+        found = [live.parameters.get(path) for path in group]
+        gone = [path for path, p in zip(group, found, strict=True) if p is None]
+        if gone:
             broken.append(BrokenGroup("tied parameter", group, f"paths gone: {gone}"))
             continue
+        params = [p for p in found if p is not None]
         distinct = {id(p): p for p in params}
         problems = []
         if len(distinct) > 1:

@@ -45,7 +45,6 @@ from .regions import RegionPlan
 from .watch import FrameCompile, FrameLog, RecompileWatch
 
 CompiledFn = Callable[..., Any]
-COMPILE_ERROR_POLICIES = ("raise", "eager")
 #: Calls of each region observed by ``compile_regions`` before observation ends.
 OBSERVED_CALLS = 8
 
@@ -285,11 +284,13 @@ class EagerFallback:
 def _region_compile_error(error: BaseException) -> RegionCompileError | None:
     """Our ``RegionCompileError`` inside torch's ``BackendCompilerFailed``, if it is there."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, RegionCompileError):
-            return error
-        seen.add(id(error))
-        error = getattr(error, "inner_exception", None) or error.__cause__
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, RegionCompileError):
+            return current
+        seen.add(id(current))
+        current = getattr(current, "inner_exception", None) or current.__cause__
+    return None
 
 
 class ObservedRegion:

@@ -33,7 +33,7 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
-def needs_trampoline(cls: type) -> bool:
+def needs_trampoline(cls: type[nn.Module]) -> bool:
     """True when ``cls.forward`` is torch's own code, which dynamo would skip."""
     return cls.forward.__module__.startswith("torch.")
 

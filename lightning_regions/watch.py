@@ -144,7 +144,7 @@ class RecompileWatch:
             # "frame/attempt": an entry of a recompile-limit hit names no code, only its frame.
             frame = str(metrics.compile_id).split("/")[0]
             key = (metrics.co_name, metrics.co_filename, metrics.co_firstlineno)
-            entry = self.by_code.get(key) or self.by_frame.get(frame)  # type: ignore[arg-type]
+            entry = self.by_code.get(key) or self.by_frame.get(frame)
             if entry is None:
                 continue
             self.by_frame[frame] = entry

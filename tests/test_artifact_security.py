@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import data, gpt, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_lightning import data, gpt, trainer
 from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager
 from torch.utils._appending_byte_serializer import AppendingByteSerializer
 

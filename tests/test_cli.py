@@ -65,10 +65,9 @@ def test_fsdp_strategy_name_resolves_in_yaml():
 def test_nested_config_sets_the_granularity_and_a_bad_one_exits_naming_it(tmp_path, capsys):
     cli = parse("--config", str(CONFIGS / "nested.yaml"))
     assert isinstance(cli.trainer.strategy, RegionalCompileStrategy)
-    assert cli.trainer.strategy.granularity == "nested"
-    assert parse("--config", str(CONFIGS / "regional.yaml")).trainer.strategy.granularity == (
-        "regions"
-    )
+    assert cli.trainer.strategy.options.granularity == "nested"
+    default = parse("--config", str(CONFIGS / "regional.yaml")).trainer.strategy
+    assert default.options.granularity == "regions"
     config = yaml.safe_load((CONFIGS / "nested.yaml").read_text())
     config["trainer"]["strategy"]["init_args"]["granularity"] = "layers"
     path = tmp_path / "bad.yaml"

@@ -57,7 +57,7 @@ class DevicesDuringTraining(pl.Callback):
 
 
 def fit_on_gpu(tmp_path, strategy, **kwargs):
-    from test_lightning import data, gpt
+    from helpers import data, gpt
 
     model, check, devices = gpt(), TiedWeightsCheck(), DevicesDuringTraining()
     pl.Trainer(

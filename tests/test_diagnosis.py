@@ -335,7 +335,7 @@ def test_torchs_cut_locations_become_the_real_files():
 
 
 def test_a_per_instance_number_that_grows_with_depth_is_still_warned(tmp_path):
-    from test_per_instance import LayerIndexBlock, fit_stack
+    from helpers import LayerIndexBlock, fit_stack
 
     _, warned = fit_stack(
         tmp_path, lambda: [LayerIndexBlock(i) for i in range(DEPTH)], unspecialize_module_ints=False

@@ -167,7 +167,7 @@ class ScaledModule(pl.LightningModule):
     "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
 )
 def test_the_restart_reproducer_trains_under_the_strategy(tmp_path, backend):
-    from test_lightning import trainer
+    from helpers import trainer
 
     loader = torch.utils.data.DataLoader([(torch.randn(WIDTH),) for _ in range(16)], 4)
     compiled, plain = ScaledModule(), ScaledModule()

@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_per_instance import VOCAB, gpt2, llama
+from helpers import VOCAB, gpt2, llama
 
 from lightning_regions import (
     PerInstanceRecompileWarning,
@@ -200,9 +200,9 @@ def test_a_fallback_in_predict_is_warned_at_the_end_of_predict():
 
 
 def test_the_storm_threshold_is_below_torchs_recompile_limit():
-    assert RegionalCompileStrategy().recompile_warn_threshold == recompile_limit() - 1
-    assert RegionalCompileStrategy(recompile_warn_threshold=3).recompile_warn_threshold == 3
-    assert RegionalCompileStrategy(recompile_warn_threshold=None).recompile_warn_threshold is None
+    assert RegionalCompileStrategy().reporter.threshold == recompile_limit() - 1
+    assert RegionalCompileStrategy(recompile_warn_threshold=3).reporter.threshold == 3
+    assert RegionalCompileStrategy(recompile_warn_threshold=None).reporter.threshold is None
     with pytest.raises(ValueError, match=r"recompile_warn_threshold=0: use a positive count"):
         RegionalCompileStrategy(recompile_warn_threshold=0)
 

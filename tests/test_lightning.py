@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from accelerate.utils import compile_regions as accelerate_compile_regions
+from helpers import SMALL, data, gpt, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
@@ -25,33 +26,6 @@ from lightning_regions import (
     TiedWeightsCheck,
     TiedWeightsError,
 )
-
-SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": 2}
-
-
-def data() -> CharDataModule:
-    return CharDataModule(block_size=16, batch_size=4)
-
-
-def gpt(**overrides) -> GPTModule:
-    return GPTModule(vocab_size=data().vocab_size, **{**SMALL, **overrides})
-
-
-def trainer(tmp_path, strategy="auto", steps=4, callbacks=(), **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=list(callbacks),
-        **kwargs,
-    )
 
 
 def test_compiled_training_matches_eager_training(tmp_path):

@@ -17,10 +17,9 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
+from helpers import VOCAB, data, gpt, gpt2, llama, token_batches
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
-from test_lightning import data, gpt
-from test_per_instance import VOCAB, gpt2, llama, tokens
 from torch import nn
 
 from examples.tiny_gpt import GPTConfig, TinyGPT
@@ -208,7 +207,7 @@ def fit_lora(root, module: pl.LightningModule, strategy, check: TiedWeightsCheck
         enable_model_summary=False,
         default_root_dir=root,
         callbacks=[check],
-    ).fit(module, tokens())
+    ).fit(module, token_batches())
 
 
 @pytest.mark.parametrize(
@@ -292,7 +291,7 @@ def test_backbone_finetuning_passes_the_tie_check_and_equals_plain(tmp_path):
             enable_model_summary=False,
             default_root_dir=tmp_path,
             callbacks=[check, unfreeze],
-        ).fit(module, tokens())
+        ).fit(module, token_batches())
         assert check.broken == []
         assert ("backbone.wte.weight", "backbone.lm_head.weight") in check.recorded.tie_groups
         assert len(module.trainer.optimizers[0].param_groups) == 2  # the backbone, added

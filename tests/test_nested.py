@@ -13,11 +13,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import CausalLM, data, gpt, gpt2, llama, trainer
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from models import Looped, LoopedBlock, SharedModel, registrations, tokens
-from test_lightning import data, gpt, trainer
-from test_per_instance import CausalLM, gpt2, llama
 from torch import nn
 
 import lightning_regions.fabric as regional_fabric

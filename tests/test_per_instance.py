@@ -14,6 +14,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import transformers
+from helpers import (
+    VOCAB,
+    CausalLM,
+    LayerIndexBlock,
+    fit_stack,
+    gpt2,
+    llama,
+    token_batches,
+    trainer,
+)
 from torch import nn
 
 from lightning_regions import (
@@ -26,86 +36,12 @@ from lightning_regions import (
 from lightning_regions.kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
 from lightning_regions.watch import parse_guard
 
-VOCAB = 64
 STEPS = 3
-
-
-def gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=12,  # a real depth: the recompile limit (8) hides below 9 layers
-        n_embd=32,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=32,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=12,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-class CausalLM(pl.LightningModule):
-    """A transformers decoder trained as its docs show."""
-
-    def __init__(self, build) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = build()
-        self.losses: list[float] = []
-        self.cache_in_validation: list[bool] = []
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        output = self.model(input_ids=batch)
-        self.cache_in_validation.append(output.past_key_values is not None)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def tokens() -> torch.utils.data.DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    return torch.utils.data.DataLoader(
-        torch.randint(0, VOCAB, (16, 16), generator=generator), batch_size=4
-    )
-
-
-def trainer(tmp_path, strategy, validate: bool = False) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        limit_val_batches=1 if validate else 0,
-        num_sanity_val_steps=1 if validate else 0,
-        check_val_every_n_epoch=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
 
 
 def fit(tmp_path, module: pl.LightningModule, strategy) -> pl.LightningModule:
     torch.manual_seed(1)  # GPT-2's dropout draws the same masks in both runs
-    trainer(tmp_path, strategy, validate=True).fit(module, tokens(), tokens())
+    trainer(tmp_path, strategy, STEPS, validate=True).fit(module, token_batches(), token_batches())
     return module
 
 
@@ -235,18 +171,6 @@ class DropPathBlock(nn.Module):
         return x + self.proj(x) * (1.0 - self.drop_prob)
 
 
-class LayerIndexBlock(nn.Module):
-    """Each layer's int index, read in forward."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-        self.layer_idx = index
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.proj(x) / (self.layer_idx + 1)
-
-
 def activation_of_its_own_class(index: int):
     """A per-instance callable whose class differs per layer (a factory per layer)."""
     return type(f"Activation{index}", (), {"__call__": lambda self, t: torch.tanh(t)})()
@@ -260,48 +184,6 @@ class CallableBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.activation(self.proj(x))
-
-
-class Stack(pl.LightningModule):
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(blocks)
-        self.losses: list[float] = []
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        x = self.embed(batch)
-        for block in self.blocks:
-            x = block(x)
-        loss = x.pow(2).mean()
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
-def vectors() -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(torch.randn(16, 8, generator=torch.Generator()), 4)
-
-
-def seeded_stack(blocks) -> Stack:
-    torch.manual_seed(0)
-    return Stack(blocks())
-
-
-def fit_stack(tmp_path, blocks, **strategy_kwargs) -> tuple[Stack, list[str]]:
-    model, plain = seeded_stack(blocks), seeded_stack(blocks)
-    strategy = RegionalCompileStrategy(backend="aot_eager", **strategy_kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, strategy).fit(model, vectors())
-    trainer(tmp_path, "auto").fit(plain, vectors())
-    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
-    per_instance = [
-        str(w.message) for w in caught if issubclass(w.category, PerInstanceRecompileWarning)
-    ]
-    return model, per_instance
 
 
 def test_a_drop_path_float_schedule_is_reported_with_its_cost(tmp_path):
@@ -384,7 +266,7 @@ def test_recompile_reasons_parse_into_guard_source_and_location():
 
 
 def test_the_int_flag_is_restored_when_the_last_holder_lets_go():
-    from lightning_regions.strategy import UnspecializedModuleInts
+    from lightning_regions.environment import UnspecializedModuleInts
 
     assert not torch._dynamo.config.allow_unspec_int_on_nn_module
     UnspecializedModuleInts.acquire()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import data, gpt, trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from models import WIDTH, Flat
-from test_lightning import data, gpt, trainer
 from torch import nn
 
 from lightning_regions import (

@@ -1,0 +1,120 @@
+"""The first-step reporter: what a strategy says once regions have run a training step,
+and what it watches for afterwards.
+
+After the first optimizer step it logs a one-line summary, warns about what lost
+something (regions left eager, recompiles per instance, graph breaks) and ends the
+observation of region calls. From then on it reads torch's compile records at loop
+ends and optimizer steps (never per region call): a class that reached dynamo's
+recompile limit is warned about once, naming the phase, torch's guard and the fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from .compat import recompile_limit
+from .compile import end_observation, tracker_of
+from .diagnosis import judge_limit_fallback
+from .report import (
+    PerInstanceRecompileWarning,
+    RegionGraphBreakWarning,
+    RegionNotCompiledWarning,
+    RegionReport,
+    region_report,
+    warn_graph_breaks,
+    warn_if_not_compiled,
+    warn_per_instance_recompiles,
+)
+from .variants import compress_paths
+
+#: What the strategies warn about once, after the first optimizer step.
+WARNED_AT_FIRST_STEP = (
+    RegionNotCompiledWarning,
+    PerInstanceRecompileWarning,
+    RegionGraphBreakWarning,
+)
+
+
+class FirstStepReporter:
+    """Reports a module's regions once after the first optimizer step of each setup,
+    then watches for recompile-limit fallbacks and storms."""
+
+    def __init__(self, recompile_warn_threshold: int | Literal["auto"] | None) -> None:
+        self._threshold = recompile_warn_threshold
+        self.reported = False  # this setup's first optimizer step reported
+        self.trained = False  # some optimizer step ran, in this or an earlier setup
+
+    @property
+    def threshold(self) -> int | None:
+        """Recompiles of one class that give a ``RecompileStormWarning``: ``"auto"`` is one
+        less than dynamo's ``recompile_limit`` (read when used), so the warning comes
+        while the class still runs compiled, before the next recompile would fall back."""
+        if self._threshold == "auto":
+            return max(1, recompile_limit() - 1)
+        return self._threshold
+
+    def enter(self) -> None:
+        """A new setup: its first optimizer step is reported again."""
+        self.reported = False
+
+    def after_optimizer_step(self, module: Any, phase: str = "training") -> None:
+        """Watch recompiles; after the first step, report once and end observation."""
+        tracker = tracker_of(module)
+        if tracker is None:
+            return
+        if self.reported:
+            self.watch_recompiles(module, phase)
+            return
+        if self.threshold is not None:
+            tracker.watch.warn_storms(self.threshold)
+        self.reported = self.trained = True
+        report = region_report(module)
+        end_observation(module)
+        tracker.watch.new_limit_hits()  # the first step's are in the warnings below
+        rank_zero_info(runtime_summary(report))
+        with warnings.catch_warnings():
+            for category in WARNED_AT_FIRST_STEP:
+                warnings.simplefilter("always", category)
+            warn_per_instance_recompiles(report)
+            warn_graph_breaks(report)
+            warn_if_not_compiled(report)
+
+    def watch_recompiles(self, module: Any, phase: str) -> None:
+        """Warn once per region class that reached dynamo's recompile limit since the last
+        look (``RegionNotCompiledWarning``, naming ``phase``, torch's guard and the fix),
+        and of recompile storms."""
+        tracker = tracker_of(module)
+        if tracker is None:
+            return
+        for entry in tracker.watch.new_limit_hits():
+            entry.warned = True  # this says more than a storm warning would
+            fallback = judge_limit_fallback(entry, phase, recompile_limit(), trained=self.trained)
+            with warnings.catch_warnings():
+                warnings.simplefilter("always", RegionNotCompiledWarning)
+                warnings.warn(str(fallback), RegionNotCompiledWarning, stacklevel=3)
+        if self.threshold is not None:
+            tracker.watch.warn_storms(self.threshold)
+
+
+def runtime_summary(report: RegionReport) -> str:
+    """From torch's own records, taken after the first optimizer step: one line, then a
+    line per class whose extra graphs are bounded (variants, a per-instance number) and
+    one for regions never called; what loses something is warned about instead."""
+    recompiles = sum(entry.recompiles for entry in report.recompiles)
+    lines = [
+        f"regional compile after first step: {report.graphs} graph(s) compiled, "
+        f"{recompiles} recompile(s), {report.graph_breaks} graph break(s), "
+        f"{report.compile_seconds:.2f}s in the backend, "
+        f"{len(report.ran_eager)} region(s) called without a compiled call"
+    ]
+    lines += [f"  graphs of {entry}" for entry in report.per_instance if entry.bounded]
+    if report.never_called:
+        names = compress_paths(row.paths[0] for row in report.never_called)
+        lines.append(
+            f"  {len(report.never_called)} region(s) not called in the first step (nothing "
+            f"ran eager there): {names}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""What the tests share: one Trainer builder, the tiny GPT and its data, transformers
+decoders at depth with their LightningModule, and a stack of synthetic blocks trained
+under the strategy and plain Lightning. Test modules import from here (and from
+``models``), never from each other."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import transformers
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from examples.lightning_gpt import CharDataModule, GPTModule
+from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy
+
+# --- one Trainer ------------------------------------------------------------------------
+
+
+def trainer(
+    root, strategy="auto", steps=4, callbacks=(), validate: bool = False, **kwargs
+) -> pl.Trainer:
+    """A CPU Trainer on one device, quiet, under ``root``; ``validate``: one validation
+    batch a epoch and one sanity batch (else none); ``kwargs`` override the rest."""
+    options = {
+        "strategy": strategy,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": steps,
+        "limit_val_batches": 1 if validate else 0,
+        "logger": False,
+        "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": root,
+        "callbacks": list(callbacks),
+    }
+    if validate:
+        options |= {"num_sanity_val_steps": 1, "check_val_every_n_epoch": 1}
+    return pl.Trainer(**{**options, **kwargs})
+
+
+# --- the tiny GPT -----------------------------------------------------------------------
+
+SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": 2}
+
+
+def data() -> CharDataModule:
+    return CharDataModule(block_size=16, batch_size=4)
+
+
+def gpt(**overrides) -> GPTModule:
+    return GPTModule(vocab_size=data().vocab_size, **{**SMALL, **overrides})
+
+
+# --- transformers decoders at depth ------------------------------------------------------
+
+VOCAB = 64
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=12,  # a real depth: the recompile limit (8) hides below 9 layers
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=12,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class CausalLM(pl.LightningModule):
+    """A transformers decoder trained as its docs show."""
+
+    def __init__(self, build) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = build()
+        self.losses: list[float] = []
+        self.cache_in_validation: list[bool] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        output = self.model(input_ids=batch)
+        self.cache_in_validation.append(output.past_key_values is not None)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def token_batches() -> torch.utils.data.DataLoader:
+    """16 sequences of 16 token ids below ``VOCAB``, 4 a batch, the same every call."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(
+        torch.randint(0, VOCAB, (16, 16), generator=generator), batch_size=4
+    )
+
+
+# --- synthetic blocks, trained both ways --------------------------------------------------
+
+
+class LayerIndexBlock(nn.Module):
+    """A block whose forward reads its own int layer index."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layer_idx = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(x) / (self.layer_idx + 1)
+
+
+class BlockStack(pl.LightningModule):
+    """Blocks of width 8 behind an embedding, trained on their squared output."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(blocks)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch)
+        for block in self.blocks:
+            x = block(x)
+        loss = x.pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def vectors() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.randn(16, 8, generator=torch.Generator()), 4)
+
+
+def seeded_stack(blocks) -> BlockStack:
+    torch.manual_seed(0)
+    return BlockStack(blocks())
+
+
+def fit_stack(root, blocks, **strategy_kwargs) -> tuple[BlockStack, list[str]]:
+    """Train ``blocks()`` 3 steps under the strategy (aot_eager) and plain Lightning;
+    assert equal losses; return ours and the per-instance warnings it gave."""
+    model, plain = seeded_stack(blocks), seeded_stack(blocks)
+    strategy = RegionalCompileStrategy(backend="aot_eager", **strategy_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(root, strategy, 3).fit(model, vectors())
+    trainer(root, "auto", 3).fit(plain, vectors())
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+    per_instance = [
+        str(w.message) for w in caught if issubclass(w.category, PerInstanceRecompileWarning)
+    ]
+    return model, per_instance
