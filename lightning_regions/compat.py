@@ -63,6 +63,7 @@ PRIVATE_APIS = (
     ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
     ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
     ("torch._dynamo.config", "recompile_limit", "warning of recompiles before the limit"),
+    ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "FSDP2 groups' mesh sizes"),
 )
 
 
@@ -271,3 +272,48 @@ def recompile_limit() -> int:
     """dynamo's ``recompile_limit``: the graphs one code object may compile before torch
     runs it eager (8 by default)."""
     return int(torch._dynamo.config.recompile_limit)
+
+
+# --- private attributes read on objects (not importable, so not in PRIVATE_APIS) -------
+
+#: The global names dynamo gives the compiled graphs of a frame it compiled.
+COMPILED_FN_PREFIX = "__compiled_fn"
+#: The name of dynamo's wrapper frame around a compiled frame's call.
+DYNAMO_WRAPPER_FRAME = "_fn"
+
+
+def dynamo_original_callable(wrapped: object) -> object:
+    """What ``torch.compiler.disable`` (as dynamo installs a graph) wraps, or None."""
+    return getattr(wrapped, "_torchdynamo_orig_callable", None)
+
+
+def is_nested_compile_region(function: object) -> bool:
+    """True for a function marked by ``torch.compiler.nested_compile_region``."""
+    return hasattr(function, "__marked_compile_region_fn__")
+
+
+def compiled_by_torch_compile_context(module: object) -> bool:
+    """True for a module that ``torch.compile`` wrapped through a compile context."""
+    return bool(getattr(module, "_compiler_ctx", None))
+
+
+def fsdp_param_groups(module: object) -> list[Any]:
+    """The FSDP2 parameter groups of a ``fully_shard``-ed module (torch >= 2.10 keeps one
+    per mesh, earlier releases one)."""
+    state = module._get_fsdp_state()  # type: ignore[attr-defined]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group else []
+    return list(groups)
+
+
+def model_parallel_sizes(strategy: object) -> tuple[Any, Any]:
+    """Lightning's ``ModelParallelStrategy`` data- and tensor-parallel sizes as passed
+    (``"auto"`` or a number), which it keeps in private attributes."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size  # type: ignore[attr-defined]
+
+
+def set_model_parallel_sizes(strategy: object, data: int, tensor: int) -> None:
+    """Set those sizes before Lightning builds the device mesh from them."""
+    strategy._data_parallel_size = data  # type: ignore[attr-defined]
+    strategy._tensor_parallel_size = tensor  # type: ignore[attr-defined]

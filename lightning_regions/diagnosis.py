@@ -171,10 +171,10 @@ def _recompiles_per_kind(reasons: tuple[str, ...]) -> dict[tuple[str, str], int]
     return counts
 
 
-def uncontrolled_kv_caches(root: nn.Module) -> str:
+def uncontrolled_kv_caches(root: nn.Module | None) -> str:
     """The transformers models under ``root`` that build a KV cache in every forward and
     take no ``use_cache`` to turn it off, for the fix text."""
-    return ", ".join(models_without_use_cache(root))
+    return ", ".join(models_without_use_cache(root)) if root is not None else ""
 
 
 def judge_nested_traced(

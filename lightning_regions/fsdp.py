@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
+from .compat import model_parallel_sizes, set_model_parallel_sizes
 from .options import RegionalOptions, takes_options
 from .regions import RegionPlan, find_regions
 from .sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
@@ -104,12 +105,12 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.shards_by_plan = not is_overridden("configure_model", self.lightning_module)
         if self.shards_by_plan:
-            self._data_parallel_size, self._tensor_parallel_size = self._plan_mesh_sizes()
+            set_model_parallel_sizes(self, *self._plan_mesh_sizes())
         super().setup_environment()
 
     def _plan_mesh_sizes(self) -> tuple[int, int]:
         """One data-parallel dimension over every process: we apply no tensor parallelism."""
-        tensor = self._tensor_parallel_size
+        data_size, tensor = model_parallel_sizes(self)
         if tensor not in ("auto", 1):
             raise ValueError(
                 f"tensor_parallel_size={tensor}: when the strategy shards (the "
@@ -118,7 +119,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
                 "parallelism yourself in configure_model()."
             )
         world = self.num_nodes * self.num_processes
-        data = world if self._data_parallel_size == "auto" else self._data_parallel_size
+        data = world if data_size == "auto" else data_size
         return data, 1
 
     def setup(self, trainer: Any) -> None:
@@ -152,12 +153,13 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         self._mesh_checked = True
         sharded_over = fsdp_data_parallel_size(self.set_up_module())
         data_parallel = self.device_mesh["data_parallel"].size()
+        asked_data, asked_tensor = model_parallel_sizes(self)
         if sharded_over is not None and sharded_over > data_parallel:
             rank_zero_warn(
                 f"The model's FSDP2 groups shard over {sharded_over} processes, but the "
-                f"data-parallel size is {data_parallel} (data_parallel_size="
-                f"{self._data_parallel_size}, tensor_parallel_size={self._tensor_parallel_size}"
-                "), so processes with one data-parallel rank are fed the same batches. Pass "
+                f"data-parallel size is {data_parallel} (data_parallel_size={asked_data}, "
+                f"tensor_parallel_size={asked_tensor}), so processes with one data-parallel "
+                "rank are fed the same batches. Pass "
                 f"data_parallel_size={sharded_over}, tensor_parallel_size=1 to the strategy, "
                 "or shard with fully_shard(..., mesh=self.device_mesh['data_parallel']).",
                 category=FSDPMeshWarning,

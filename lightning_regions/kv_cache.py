@@ -16,7 +16,8 @@ the validation sanity check).
 so generation keeps the cache; so does any call with ``use_cache=True``. The config is
 not changed, and the strategies remove the hook at teardown. The returned cache is the
 only difference, so losses and logits are unchanged, unless a forward reads back a cache
-it wrote itself (dory with sections that overlap, 8 + 20 + 8 of 12 layers: see benchmarks/families.py).
+it wrote itself (dory with sections that overlap, 8 + 20 + 8 of 12 layers: see
+``benchmarks/families.py``).
 
 Generation is the one place that reads the cache, and each cached forward guards on a
 per-layer value of it (``cache.layers[i].is_initialized``), so ``generate()`` compiled

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import NESTED_BACKWARD_BUFFER_REUSE, inductor_mode_options
+from .compat import NESTED_BACKWARD_BUFFER_REUSE, inductor_mode_options, is_nested_compile_region
 from .graph import MARKED_FROM
 
 #: The higher-order op a nested region becomes in dynamo's graph.
@@ -38,7 +38,7 @@ class NestedRegionError(RuntimeError):
 
 def is_marked(module: nn.Module) -> bool:
     """True when ``module``'s ``forward`` is a torch nested compile region."""
-    return hasattr(type(module).forward, "__marked_compile_region_fn__")
+    return is_nested_compile_region(type(module).forward)
 
 
 def marked_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from .compat import fsdp_param_groups
 from .regions import Region, RegionPlan
 
 log = logging.getLogger(__name__)
@@ -173,11 +174,7 @@ def fsdp_data_parallel_size(root: nn.Module) -> int | None:
     for module in root.modules():
         if not isinstance(module, FSDPModule):
             continue
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.10: per-param meshes
-        if groups is None:
-            groups = [state._fsdp_param_group] if state._fsdp_param_group else []
-        for group in groups:
+        for group in fsdp_param_groups(module):
             info = group.mesh_info
             sizes.append(
                 getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1)

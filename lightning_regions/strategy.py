@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from .cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
-from .compat import OptimizedModule
+from .compat import OptimizedModule, compiled_by_torch_compile_context
 from .compile import compile_regions
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
@@ -184,7 +184,7 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
 
 
 def _refuse_whole_model_compile(module: Any) -> None:
-    if isinstance(module, OptimizedModule) or getattr(module, "_compiler_ctx", None):
+    if isinstance(module, OptimizedModule) or compiled_by_torch_compile_context(module):
         raise ValueError(
             f"{type(module).__name__} was passed wrapped by torch.compile. Regional "
             "compilation compiles the blocks itself: pass the plain LightningModule."

@@ -34,9 +34,12 @@ import torch
 from torch import nn
 
 from .compat import (
+    COMPILED_FN_PREFIX,
+    DYNAMO_WRAPPER_FRAME,
     LazyGraphModule,
     compile_wrapper,
     dynamo_graph_break_exceptions,
+    dynamo_original_callable,
     dynamo_reraised_exceptions,
 )
 from .graph import unwrap
@@ -124,12 +127,13 @@ class GraphHook:
     def locate(self, caller: FrameType | None) -> None:
         """Find the global that holds the counting wrapper, from the wrapper's caller."""
         self.scope = {}
-        frame = caller.f_back if caller is not None and caller.f_code.co_name == "_fn" else None
+        dynamo_wrapper = caller is not None and caller.f_code.co_name == DYNAMO_WRAPPER_FRAME
+        frame = caller.f_back if caller is not None and dynamo_wrapper else None
         if frame is None:
             return
         for name, value in list(frame.f_globals.items()):
-            if name.startswith("__compiled_fn") and (
-                getattr(value, "_torchdynamo_orig_callable", None) is self.counting
+            if name.startswith(COMPILED_FN_PREFIX) and (
+                dynamo_original_callable(value) is self.counting
             ):
                 plain = torch.compiler.disable(self.compiled, reason="dynamo-compiled graph")
                 plain._lightning_regions_hook = self  # keeps this hook alive while unhooked
