@@ -1,5 +1,7 @@
 """Shared-aware regional ``torch.compile`` for PyTorch and PyTorch Lightning.
 
+The warning and error classes are also in ``lightning_regions.warnings``.
+
 Importing the package registers the ``"regional_compile"``, ``"regional_compile_ddp"``
 and ``"regional_compile_fsdp"`` strategy names with Lightning's ``StrategyRegistry``.
 """
@@ -19,6 +21,7 @@ from .report import (
     RegionNotCompiledWarning,
     RegionReport,
     region_report,
+    warn_about,
     warn_graph_breaks,
     warn_if_not_compiled,
     warn_per_instance_recompiles,
@@ -57,6 +60,7 @@ __all__ = [
     "find_regions",
     "region_report",
     "snapshot",
+    "warn_about",
     "warn_graph_breaks",
     "warn_if_not_compiled",
     "warn_per_instance_recompiles",

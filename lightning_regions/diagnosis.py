@@ -40,6 +40,82 @@ from .watch import ClassRecompiles, FrameCompile, Guard, parse_guard
 SYMBOLIC_AFTER_FIRST_CHANGE = 2
 
 
+# --- fix texts ------------------------------------------------------------------------
+
+#: What each diagnosis tells the user to do, by kind: the judgements below choose the
+#: kind; the texts are data (no measurements in them: those live in docs/ and
+#: benchmarks/, where they are dated and re-run).
+FIXES: dict[str, str] = {
+    "unknown": (
+        "torch recorded no guard; TORCH_LOGS=recompiles names it. Store per-instance "
+        "numbers as tensor buffers and give every instance the same objects."
+    ),
+    "shapes": (
+        "an input's shape changed from call to call (guards on tensor sizes); pad inputs to "
+        "fixed sizes, or leave dynamic=None (torch's default) so that a size that changed "
+        "once is compiled as symbolic."
+    ),
+    "uncontrolled_kv_cache": (
+        "{model} builds a KV cache in every forward and takes no use_cache to turn it off "
+        "(nothing the caller passes removes it), and each layer indexes it by its own layer "
+        "index. Leave {blocks} that read the cache out of regions={without}: they run "
+        "eager, and the other blocks compile once."
+    ),
+    "training_kv_cache": (
+        "a transformers KV cache is built in training (config.use_cache=True) and each "
+        "layer indexes it by its layer_idx. The strategies turn it off where not asked "
+        "for (disable_training_kv_cache=True, the default); elsewhere pass use_cache=False."
+    ),
+    "object_differs": (
+        "an attribute whose object or class differs per instance; give every instance "
+        "the same object and class, or choose outside forward."
+    ),
+    "argument_none": (
+        "a forward argument that is None for some instances and a tensor for others: "
+        "pass the same kind of value to every instance."
+    ),
+    "int_attribute": (
+        "a per-instance int attribute. unspecialize_module_ints=True (the strategies' "
+        "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
+        "symbolic int after the first change; or store it as a tensor buffer."
+    ),
+    "float_by_config": (
+        "a per-instance float attribute, specialised because "
+        "torch._dynamo.config.specialize_float is True; set it False (torch's default) "
+        "or store the value as a tensor buffer."
+    ),
+    "float_specialised": (
+        "a per-instance float attribute that torch specialised (it could not keep it "
+        "symbolic in this forward); store the value as a tensor buffer, or make it the "
+        "same on every instance."
+    ),
+    "attribute": (
+        "make the attribute the guard reads the same on every instance, or pass it to "
+        "forward as a tensor."
+    ),
+    "bounded_variants": "one graph per variant, whatever the depth.",
+    "bounded_argument_none": (
+        "a forward argument is None for some instances and a tensor for the others (a "
+        "different call site, as when block 0 computes what the others receive): one "
+        "graph each, whatever the depth."
+    ),
+    "bounded_number": (
+        "a per-instance number, compiled as a constant for the first instance and "
+        "symbolic from the second: 2 graphs whatever the depth. Store it as a tensor "
+        "buffer (register_buffer) for one graph."
+    ),
+    "bounded": "2 graphs whatever the depth.",
+    "moe_experts": (
+        "the experts of a transformers MoE model: set its experts_implementation to "
+        "'batched_mm' (from_pretrained(..., experts_implementation='batched_mm'), or "
+        "config._experts_implementation before building the model): one graph per layer. "
+        "Its cost: one weight slice per token-expert pair, so memory grows with tokens x top_k."
+    ),
+    "graph_break_hint": "torch's hint: {hints} (not turned on for you).",
+    "graph_break_unknown": "TORCH_LOGS=graph_breaks names each break and its line.",
+}
+
+
 @dataclass(frozen=True)
 class PerInstanceRecompiles:
     """One block class whose instances compiled graphs of their own, and why.
@@ -134,9 +210,9 @@ def judge_recompiles(
     spread = max(per_variant.values(), default=0) <= 1 and count > 1
     if grows:
         fix = fix_for(guards, uncontrolled_cache, run.class_name, other_classes)
-        fix = fix if guards else FIX_UNKNOWN
+        fix = fix if guards else FIXES["unknown"]
     elif spread:
-        fix = "one graph per variant, whatever the depth."
+        fix = FIXES["bounded_variants"]
     else:
         fix = bounded_fix(guards[0] if guards else None)
     return PerInstanceRecompiles(
@@ -230,12 +306,6 @@ def _distinct_guards(reasons: tuple[str, ...]) -> tuple[Guard, ...]:
     return tuple(distinct.values())
 
 
-FIX_UNKNOWN = (
-    "torch recorded no guard; TORCH_LOGS=recompiles names it. Store per-instance numbers as "
-    "tensor buffers and give every instance the same objects."
-)
-
-
 def is_argument_none(guard: Guard) -> bool:
     """A guard on a forward argument being ``None`` (or a tensor where it was ``None``)."""
     text = guard.expression
@@ -248,18 +318,10 @@ def is_argument_none(guard: Guard) -> bool:
 def bounded_fix(guard: Guard | None) -> str:
     """What a bounded class's extra graph is, by the guard torch recorded."""
     if guard is not None and is_argument_none(guard):
-        return (
-            "a forward argument is None for some instances and a tensor for the others (a "
-            "different call site, as when block 0 computes what the others receive): one "
-            "graph each, whatever the depth."
-        )
+        return FIXES["bounded_argument_none"]
     if guard is not None and re.fullmatch(r"self(\.\w+)+ == .+", guard.expression):
-        return (
-            "a per-instance number, compiled as a constant for the first instance and "
-            "symbolic from the second: 2 graphs whatever the depth. Store it as a tensor "
-            "buffer (register_buffer) for one graph."
-        )
-    return "2 graphs whatever the depth."
+        return FIXES["bounded_number"]
+    return FIXES["bounded"]
 
 
 def reads_a_kv_cache(guard: Guard) -> bool:
@@ -279,57 +341,28 @@ def fix_for(
     transformers model that builds a KV cache in every forward and takes no
     ``use_cache`` to turn it off; ``other_classes`` the plan's other region classes."""
     if not guards:
-        return FIX_UNKNOWN
+        return FIXES["unknown"]
     guard = guards[0]
     text = f"{guard.expression} {guard.source} {guard.location}"
     if any(reads_a_kv_cache(each) for each in guards):
         if uncontrolled_cache:
             without = f" (here regions={sorted(other_classes)!r})" if other_classes else ""
-            return (
-                f"{uncontrolled_cache} builds a KV cache in every forward and takes no "
-                "use_cache to turn it off (nothing the caller passes removes it), and each "
-                f"layer indexes it by its own layer index. Leave {class_name or 'the blocks'} "
-                f"that read the cache out of regions={without}: they run eager, and the "
-                "other blocks compile once."
+            return FIXES["uncontrolled_kv_cache"].format(
+                model=uncontrolled_cache, blocks=class_name or "the blocks", without=without
             )
-        return (
-            "a transformers KV cache is built in training (config.use_cache=True) and each "
-            "layer indexes it by its layer_idx. The strategies turn it off where not asked "
-            "for (disable_training_kv_cache=True, the default); elsewhere pass use_cache=False."
-        )
+        return FIXES["training_kv_cache"]
     if "___check_type_id" in text or "___check_obj_id" in text:
-        return (
-            "an attribute whose object or class differs per instance; give every instance "
-            "the same object and class, or choose outside forward."
-        )
+        return FIXES["object_differs"]
     if is_argument_none(guard):
-        return (
-            "a forward argument that is None for some instances and a tensor for others: "
-            "pass the same kind of value to every instance."
-        )
+        return FIXES["argument_none"]
     number = re.fullmatch(r"self(\.\w+)+ == (-?[\d.e+-]+)", guard.expression)
     if number and re.fullmatch(r"-?\d+", number.group(2)):
-        return (
-            "a per-instance int attribute. unspecialize_module_ints=True (the strategies' "
-            "default; torch._dynamo.config.allow_unspec_int_on_nn_module) compiles it as a "
-            "symbolic int after the first change; or store it as a tensor buffer."
-        )
+        return FIXES["int_attribute"]
     if number and specialize_float():
-        return (
-            "a per-instance float attribute, specialised because "
-            "torch._dynamo.config.specialize_float is True; set it False (torch's default) "
-            "or store the value as a tensor buffer."
-        )
+        return FIXES["float_by_config"]
     if number:
-        return (
-            "a per-instance float attribute that torch specialised (it could not keep it "
-            "symbolic in this forward); store the value as a tensor buffer, or make it the "
-            "same on every instance."
-        )
-    return (
-        "make the attribute the guard reads the same on every instance, or pass it to "
-        "forward as a tensor."
-    )
+        return FIXES["float_specialised"]
+    return FIXES["attribute"]
 
 
 def specialize_float() -> bool:
@@ -368,13 +401,6 @@ class LimitFallback:
         )
 
 
-FIX_SHAPES = (
-    "an input's shape changed from call to call (guards on tensor sizes); pad inputs to "
-    "fixed sizes, or leave dynamic=None (torch's default) so that a size that changed "
-    "once is compiled as symbolic."
-)
-
-
 def judge_limit_fallback(
     entry: ClassRecompiles, phase: str, limit: int, trained: bool
 ) -> LimitFallback:
@@ -392,9 +418,9 @@ def judge_limit_fallback(
     elif guards:
         fix = fix_for(guards, class_name=entry.class_name)
     elif any(parse_guard(reason).on_input_tensor for reason in entry.reasons):
-        fix = FIX_SHAPES
+        fix = FIXES["shapes"]
     else:
-        fix = FIX_UNKNOWN
+        fix = FIXES["unknown"]
     return LimitFallback(entry.class_name, phase, entry.recompiles, limit, guards, fix, trained)
 
 
@@ -501,16 +527,6 @@ def shorter(frame: FrameCompile) -> str:
     return f"{name} in {frame.filename}:{frame.line}"
 
 
-#: transformers' MoE experts, measured: batched_mm compiles them in one graph.
-EXPERTS_FIX = (
-    "the experts of a transformers MoE model: set its experts_implementation to "
-    "'batched_mm' (from_pretrained(..., experts_implementation='batched_mm'), or "
-    "config._experts_implementation before building the model). Measured on Mixtral and "
-    "DeepSeek-V3 at 12 layers: one graph per layer, no graph break, losses equal to eager. "
-    "Its cost: one weight slice per token-expert pair, so memory grows with tokens x top_k."
-)
-
-
 def graph_break_fix(frames: list[FrameCompile]) -> str:
     """What removes the breaks: for transformers' MoE experts, what was measured to
     work; else torch's own hints; else where to look."""
@@ -518,13 +534,13 @@ def graph_break_fix(frames: list[FrameCompile]) -> str:
         f"{frame.filename} {frame.name} {frame.breaks} {frame.failure}" for frame in frames
     )
     if "transformers" in text and re.search(r"moe|expert", text, re.IGNORECASE):
-        return EXPERTS_FIX
+        return FIXES["moe_experts"]
     found = dict.fromkeys(
         h for frame in frames for r in (*frame.breaks, frame.failure) for h in hints(r)
     )
     if found:
-        return f"torch's hint: {'; '.join(found)} (not turned on for you)."
-    return "TORCH_LOGS=graph_breaks names each break and its line."
+        return FIXES["graph_break_hint"].format(hints="; ".join(found))
+    return FIXES["graph_break_unknown"]
 
 
 # --- locations -----------------------------------------------------------------------

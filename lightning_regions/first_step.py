@@ -24,9 +24,7 @@ from .report import (
     RegionNotCompiledWarning,
     RegionReport,
     region_report,
-    warn_graph_breaks,
-    warn_if_not_compiled,
-    warn_per_instance_recompiles,
+    warn_about,
 )
 from .variants import compress_paths
 
@@ -78,9 +76,7 @@ class FirstStepReporter:
         with warnings.catch_warnings():
             for category in WARNED_AT_FIRST_STEP:
                 warnings.simplefilter("always", category)
-            warn_per_instance_recompiles(report)
-            warn_graph_breaks(report)
-            warn_if_not_compiled(report)
+            warn_about(report)
 
     def watch_recompiles(self, module: Any, phase: str) -> None:
         """Warn once per region class that reached dynamo's recompile limit since the last

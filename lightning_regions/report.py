@@ -337,6 +337,15 @@ def nested_traced_apart(rows: tuple[RegionRow, ...]) -> tuple[PerInstanceRecompi
     return tuple(found)
 
 
+def warn_about(report: RegionReport) -> None:
+    """Every warning the report calls for, as the strategies give them after the first
+    step: per-instance recompiles that grow, graph breaks inside regions, regions that
+    ran eager."""
+    warn_per_instance_recompiles(report)
+    warn_graph_breaks(report)
+    warn_if_not_compiled(report)
+
+
 def warn_per_instance_recompiles(report: RegionReport) -> None:
     """Warn, naming the class, the guard and the fix, for each class whose per-instance
     recompiles grow with depth or left regions eager (bounded ones are only reported)."""

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from helpers import SeenCacheDir
+
 from examples.lightning_gpt import CharDataModule, GPTModule
 from lightning_regions import (
     RegionalCompileFSDPStrategy,
@@ -238,13 +240,6 @@ def scenario_bf16_auto(out: Path) -> dict[str, Any]:
 
 def failing_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     raise RuntimeError("backend failed on purpose")
-
-
-class SeenCacheDir(pl.Callback):
-    """The inductor cache directory in effect while this rank trains."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def scenario_per_rank_eager_fallback(out: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ under the strategy and plain Lightning. Test modules import from here (and from
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import lightning.pytorch as pl
@@ -41,6 +42,28 @@ def trainer(
     if validate:
         options |= {"num_sanity_val_steps": 1, "check_val_every_n_epoch": 1}
     return pl.Trainer(**{**options, **kwargs})
+
+
+# --- a failing backend, a cache probe ---------------------------------------------------
+
+
+class FailsOnLayerNorm:
+    """A backend that cannot lower layer_norm: it fails for the block classes that use it
+    (``Block``, ``GPTBlock``) and compiles the others."""
+
+    def __call__(self, gm, example_inputs):
+        if any("layer_norm" in str(node.target) for node in gm.graph.nodes):
+            raise NotImplementedError("no lowering for layer_norm")
+        return gm.forward
+
+
+class SeenCacheDir(pl.Callback):
+    """The inductor cache directory in effect when training starts."""
+
+    directory: str | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 # --- the tiny GPT -----------------------------------------------------------------------

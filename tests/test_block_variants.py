@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import transformers
+from helpers import trainer
 from torch import nn
 
 from lightning_regions import (
@@ -127,7 +128,7 @@ def images() -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def tokens(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+def token_lengths(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     batches = []
     for n in lengths:
@@ -138,17 +139,9 @@ def tokens(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
 
 def fit(module: Classifier, strategy: Any, data: list) -> float:
     start = time.perf_counter()
-    pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=len(data),
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    trainer(None, strategy, len(data)).fit(
+        module, torch.utils.data.DataLoader(data, batch_size=None)
+    )
     return time.perf_counter() - start
 
 
@@ -196,7 +189,7 @@ def test_swin_v2_stages_compile_static_and_start_within_twice_whole_model_compil
 
 
 def test_deberta_v2_compiles_its_twelve_layers_as_regions_in_one_graph():
-    ours, _ = ours_and_plain(deberta_v2, ("DebertaV2Layer",), tokens([16] * STEPS))
+    ours, _ = ours_and_plain(deberta_v2, ("DebertaV2Layer",), token_lengths([16] * STEPS))
     report = region_report(ours)
     assert [row.class_name for row in report.rows] == ["DebertaV2Layer"] * 12
     assert report.graphs == 1 and ours.eager_calls == 0
@@ -208,7 +201,7 @@ def test_two_block_classes_sharing_gradient_checkpointing_forward_keep_their_own
     layers = ("BartEncoderLayer", "BartDecoderLayer")
     # five lengths, static shapes: five graphs per class, ten in all, past one limit of 8
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    ours, _ = ours_and_plain(bart, layers, tokens([8, 10, 12, 14, 16]), dynamic=False)
+    ours, _ = ours_and_plain(bart, layers, token_lengths([8, 10, 12, 14, 16]), dynamic=False)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 10
     assert ours.eager_calls == 0 and not region_report(ours).ran_eager
 

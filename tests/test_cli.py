@@ -6,6 +6,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import yaml
 
@@ -16,6 +17,7 @@ from lightning_regions import (
     TiedWeightsCheck,
 )
 from lightning_regions.cli import main
+from lightning_regions.options import RegionalOptions
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "configs"
@@ -116,6 +118,32 @@ def test_a_typo_in_init_args_exits_non_zero_with_jsonargparse_message(tmp_path, 
         parse("--config", str(path))
     assert exit_info.value.code != 0
     assert "bakend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "devices"),
+    [
+        ("regional_compile", RegionalCompileStrategy, 1),
+        ("regional_compile_ddp", RegionalCompileDDPStrategy, 2),
+        ("regional_compile_fsdp", RegionalCompileFSDPStrategy, 2),
+    ],
+)
+def test_every_registered_name_builds_a_trainer_with_its_strategy(name, cls, devices):
+    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=devices, logger=False)
+    assert type(trainer.strategy) is cls
+    assert trainer.strategy.options == RegionalOptions()  # the registry's defaults
+
+
+def test_every_registered_fabric_name_builds_its_strategy():
+    from lightning.fabric import Fabric
+
+    import lightning_regions.fabric as fabric
+
+    for name, cls in [
+        ("regional_compile", fabric.RegionalCompileStrategy),
+        ("regional_compile_ddp", fabric.RegionalCompileDDPStrategy),
+    ]:
+        assert type(Fabric(strategy=name, accelerator="cpu", devices=1)._strategy) is cls
 
 
 def test_console_script_is_installed_and_registers_names():

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import transformers
+from helpers import trainer
 from torch import nn
 
 from lightning_regions import (
@@ -135,18 +136,9 @@ def fit(tmp_path, build, strategy) -> tuple[LM, list[warnings.WarningMessage]]:
     tokens = torch.randint(3, VOCAB, (6, 16), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=1,
-            max_steps=3,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        ).fit(module, torch.utils.data.DataLoader(tokens, batch_size=2))
+        trainer(tmp_path, strategy, 3).fit(
+            module, torch.utils.data.DataLoader(tokens, batch_size=2)
+        )
     return module, list(caught)
 
 
@@ -305,17 +297,8 @@ def test_regions_never_called_are_reported_as_not_called_not_warned(tmp_path, ca
     loader = torch.utils.data.DataLoader([(torch.randn(8),) for _ in range(8)], batch_size=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RegionNotCompiledWarning)
-        pl.Trainer(
-            strategy=RegionalCompileStrategy(backend="aot_eager"),
-            accelerator="cpu",
-            devices=1,
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        ).fit(module, loader)
+        strategy = RegionalCompileStrategy(backend="aot_eager")
+        trainer(tmp_path, strategy, 2, limit_val_batches=None).fit(module, loader)
     report = region_report(module)
     assert [row.paths[0] for row in report.never_called] == ["vision.0", "vision.1", "vision.2"]
     assert not report.ran_eager
@@ -344,7 +327,28 @@ def test_a_per_instance_number_that_grows_with_depth_is_still_warned(tmp_path):
     assert "LayerIndexBlock: 8 graph(s) from 8 of 12 instances, 4 left eager" in message
 
 
-def test_warning_categories_are_exported():
+def test_the_public_names_are_the_documented_ones_and_every_warning_is_in_one_module():
+    import pathlib
+    import re
+
+    import lightning_regions
+    import lightning_regions.warnings as ours
+
+    root = pathlib.Path(lightning_regions.__file__).resolve().parents[1]
+    documented = (root / "README.md").read_text() + "".join(
+        page.read_text() for page in sorted((root / "docs").glob("*.md"))
+    )
+    undocumented = [n for n in lightning_regions.__all__ if not re.search(rf"\b{n}\b", documented)]
+    assert undocumented == []
+    assert all(getattr(lightning_regions, name).__doc__ for name in lightning_regions.__all__)
+    raised = {
+        name
+        for name in lightning_regions.__all__
+        if isinstance(getattr(lightning_regions, name), type)
+        and issubclass(getattr(lightning_regions, name), (Warning, Exception))
+    }
+    assert raised == set(ours.__all__)  # every class we raise, in lightning_regions.warnings
+    assert all(getattr(ours, name) is getattr(lightning_regions, name) for name in ours.__all__)
     assert issubclass(RegionGraphBreakWarning, UserWarning)
     assert issubclass(PerInstanceRecompileWarning, UserWarning)
 

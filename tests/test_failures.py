@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers import FailsOnLayerNorm
 from models import SharedModel, Stack, tokens
 from torch import nn
 
@@ -18,15 +19,6 @@ from lightning_regions.cache import (
 )
 from lightning_regions.tracking import RegionCompileError, RegionCompileWarning
 from lightning_regions.watch import RecompileStormWarning
-
-
-class FailsOnLayerNorm:
-    """A backend that cannot lower layer_norm: it fails for the Block class only."""
-
-    def __call__(self, gm, example_inputs):
-        if any("layer_norm" in str(node.target) for node in gm.graph.nodes):
-            raise NotImplementedError("no lowering for layer_norm")
-        return gm.forward
 
 
 def block_failing_model() -> nn.Module:

@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import VOCAB, gpt2, llama
+from helpers import VOCAB, gpt2, llama, trainer
 
 from lightning_regions import (
     PerInstanceRecompileWarning,
@@ -112,24 +112,19 @@ def batches() -> torch.utils.data.DataLoader:
 
 
 def train_and_predict(module: Generating, strategy: Any, sanity: bool) -> torch.Tensor:
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
+    run = trainer(
+        None,
+        strategy,
+        4,
         limit_val_batches=1,
         num_sanity_val_steps=1 if sanity else 0,
         val_check_interval=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     torch.manual_seed(1)  # GPT-2's dropout draws the same masks in every run
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    trainer.fit(module, batches(), batches())
+    run.fit(module, batches(), batches())
     module.graphs_after_fit = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
-    return trainer.predict(module, batches())[0]
+    return run.predict(module, batches())[0]
 
 
 @pytest.fixture(scope="module")
@@ -222,17 +217,8 @@ def varying_lengths(lengths: list[int]) -> list[torch.Tensor]:
 
 
 def fit_lengths(module: Generating, strategy: Any, lengths: list[int]) -> None:
-    pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=len(lengths),
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, torch.utils.data.DataLoader(varying_lengths(lengths), batch_size=None))
+    loader = torch.utils.data.DataLoader(varying_lengths(lengths), batch_size=None)
+    trainer(None, strategy, len(lengths)).fit(module, loader)
 
 
 def test_variable_lengths_under_dynamic_none_recompile_once_then_run_symbolic():

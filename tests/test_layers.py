@@ -26,6 +26,7 @@ LAYERS = (
     ("environment", "first_step"),
     ("strategy",),
     ("fabric", "fsdp", "cli"),
+    ("warnings",),
     ("__init__",),
 )
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from accelerate.utils import compile_regions as accelerate_compile_regions
-from helpers import SMALL, data, gpt, trainer
+from helpers import SMALL, FailsOnLayerNorm, SeenCacheDir, data, gpt, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
@@ -271,15 +271,6 @@ def test_strategy_leaves_the_source_types_and_keys(tmp_path):
 # --- loud failures through the strategy ---------------------------------------------
 
 
-class FailsOnLayerNorm:
-    """A backend that cannot lower layer_norm, so GPTBlock regions fail to compile."""
-
-    def __call__(self, gm, example_inputs):
-        if any("layer_norm" in str(node.target) for node in gm.graph.nodes):
-            raise NotImplementedError("no lowering for layer_norm")
-        return gm.forward
-
-
 def test_compile_error_policy_raise_raises_region_compile_error_naming_the_block(tmp_path):
     strategy = RegionalCompileStrategy(backend=FailsOnLayerNorm())
     with pytest.raises(RegionCompileError, match=r"Compiling region GPTBlock at model\.blocks\.0"):
@@ -333,16 +324,11 @@ def test_regions_never_called_are_an_info_line_after_the_first_step_not_a_warnin
 
 def test_the_cache_is_the_users_own_unless_a_folder_is_named_and_is_restored(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users"))
-    seen = []
-
-    class SeenCacheDir(pl.Callback):
-        def on_train_start(self, trainer, pl_module):
-            seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-
+    seen = [SeenCacheDir(), SeenCacheDir()]
     strategy = RegionalCompileStrategy(backend="eager")
-    trainer(tmp_path, strategy, steps=1, callbacks=[SeenCacheDir()]).fit(gpt(), data())
+    trainer(tmp_path, strategy, steps=1, callbacks=[seen[0]]).fit(gpt(), data())
     given = RegionalCompileStrategy(backend="eager", cache_dir=str(tmp_path / "mine"))
-    trainer(tmp_path / "other", given, steps=1, callbacks=[SeenCacheDir()]).fit(gpt(), data())
-    assert seen == [str(tmp_path / "users"), str(tmp_path / "mine")]
+    trainer(tmp_path / "other", given, steps=1, callbacks=[seen[1]]).fit(gpt(), data())
+    assert [s.directory for s in seen] == [str(tmp_path / "users"), str(tmp_path / "mine")]
     assert strategy.cache_dir is None and given.cache_dir == str(tmp_path / "mine")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "users")

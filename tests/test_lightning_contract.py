@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import peft
 import pytest
 import torch
-from helpers import VOCAB, data, gpt, gpt2, llama, token_batches
+from helpers import VOCAB, SeenCacheDir, data, gpt, gpt2, llama, token_batches, trainer
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
@@ -36,20 +36,11 @@ from lightning_regions.graph import model_class
 def fit(
     root, strategy="auto", steps=3, callbacks=(), model=None, datamodule=None, **kwargs
 ) -> pl.Trainer:
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=list(callbacks),
-        **kwargs,
-    )
-    trainer.fit(model if model is not None else BoringModel(), datamodule=datamodule)
-    return trainer
+    # Lightning's defaults for checkpoints and validation, as its own strategy tests run
+    defaults = {"enable_checkpointing": True, "limit_val_batches": None}
+    run = trainer(root, strategy, steps, callbacks, **{**defaults, **kwargs})
+    run.fit(model if model is not None else BoringModel(), datamodule=datamodule)
+    return run
 
 
 # --- the compile cache: nothing until there is something to cache, never among checkpoints
@@ -95,15 +86,10 @@ def test_with_inductor_the_cache_is_torchs_and_the_checkpoint_folder_holds_check
 def test_a_remote_root_creates_no_local_folder_and_keeps_torchs_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users_cache"))
-    seen = {}
-
-    class SeenCacheDir(pl.Callback):
-        def on_train_start(self, trainer, pl_module):
-            seen["cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-
-    trainer = fit("memory://run", RegionalCompileStrategy(backend="eager"), 2, [SeenCacheDir()])
+    seen = SeenCacheDir()
+    trainer = fit("memory://run", RegionalCompileStrategy(backend="eager"), 2, [seen])
     assert os.listdir(tmp_path) == []  # no 'memory:' folder in the working directory
-    assert seen["cache"] == str(tmp_path / "users_cache")
+    assert seen.directory == str(tmp_path / "users_cache")
     assert trainer.checkpoint_callback.best_model_path.startswith("memory://run")
 
 
@@ -196,18 +182,7 @@ class LoRA(pl.LightningModule):
 
 def fit_lora(root, module: pl.LightningModule, strategy, check: TiedWeightsCheck) -> None:
     torch.manual_seed(1)  # dropout draws the same masks in both runs
-    pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[check],
-    ).fit(module, token_batches())
+    trainer(root, strategy, 3, [check], limit_val_batches=None).fit(module, token_batches())
 
 
 @pytest.mark.parametrize(
@@ -279,18 +254,14 @@ def test_backbone_finetuning_passes_the_tie_check_and_equals_plain(tmp_path):
     ):
         module, check = Finetuned(), TiedWeightsCheck(on_failure="raise")
         unfreeze = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
-        pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=1,
+        trainer(
+            tmp_path,
+            strategy,
+            -1,
+            [check, unfreeze],
             max_epochs=3,
             limit_train_batches=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            callbacks=[check, unfreeze],
+            limit_val_batches=None,
         ).fit(module, token_batches())
         assert check.broken == []
         assert ("backbone.wte.weight", "backbone.lm_head.weight") in check.recorded.tie_groups

@@ -195,7 +195,7 @@ class ScaledPerLayer(nn.Module):
         return self.proj(x) * self.scale
 
 
-class Stack(nn.Module):
+class IndexedStack(nn.Module):
     def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
@@ -219,7 +219,7 @@ LIMITS = {
 @pytest.mark.parametrize("limit", list(LIMITS))
 def test_torchs_limits_raise_naming_the_regions_and_the_fix(limit, policy):
     make, what, fix = LIMITS[limit]
-    model = Stack([make(i) for i in range(DEPTH)])
+    model = IndexedStack([make(i) for i in range(DEPTH)])
     eager = copy.deepcopy(model)
     compile_regions(
         model,
@@ -240,14 +240,14 @@ def test_torchs_limits_raise_naming_the_regions_and_the_fix(limit, policy):
         model(x).sum().backward()
     message = str(raised.value)
     assert f"{type(model.blocks[0]).__name__} at blocks.0" in message
-    assert "and 9 more" in message and "inside Stack at <root>" in message
+    assert "and 9 more" in message and "inside IndexedStack at <root>" in message
     assert what in message and fix in message and "granularity='regions'" in message
 
 
 def test_the_same_models_train_with_granularity_regions():
     """The fix the errors name: every limit above is fine as regions."""
     for make, _, _ in LIMITS.values():
-        model = Stack([make(i) for i in range(3)])
+        model = IndexedStack([make(i) for i in range(3)])
         eager = copy.deepcopy(model)
         compile_regions(model, inplace=True, backend="aot_eager")
         x = torch.randn(2, 8)
