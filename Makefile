@@ -53,6 +53,7 @@ bench: install
 	$(PY) benchmarks/ddp_cache.py
 	$(PY) benchmarks/generating_eval.py
 	$(PY) benchmarks/generating_eval.py --backend inductor --sanity 1
+	$(PY) benchmarks/background_compile.py
 
 # On a GPU machine: its own python3 and this source tree, nothing installed. Here the
 # venv's python, which finds no GPU and says so.

@@ -9,6 +9,7 @@ and ``"regional_compile_fsdp"`` strategy names with Lightning's ``StrategyRegist
 from lightning.pytorch.strategies import StrategyRegistry
 
 from . import compat  # noqa: F401  # checks torch's private names before anything uses them
+from .background import BackgroundCompileWarning
 from .cache import CacheArtifactsIgnoredWarning
 from .compile import compile_regions, end_observation
 from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy
@@ -35,6 +36,7 @@ register()
 RegionalCompileFSDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "BackgroundCompileWarning",
     "CacheArtifactsIgnoredWarning",
     "FSDPMeshWarning",
     "ModuleGraph",

@@ -78,6 +78,13 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         **options: Any,
     ) -> None:
         regional = RegionalOptions(**options)
+        if regional.compile_in_background:
+            raise ValueError(
+                "compile_in_background=True is not supported under FSDP2 yet: a sharded "
+                "region's parameters are DTensors spread over the processes, which the "
+                "child process cannot rebuild. Use RegionalCompileDDPStrategy or "
+                "RegionalCompileStrategy with it, or leave it off."
+            )
         if regional.granularity == "nested":
             raise ValueError(
                 "granularity='nested' is not supported under FSDP2: dynamo does not trace "

@@ -103,6 +103,22 @@ class RegionalOptions:
             "strategy is set up)."
         ),
     )
+    compile_in_background: bool = field(
+        default=False,
+        metadata=_doc(
+            "start training at once with the regions eager while a child process compiles "
+            "them into torch's compile cache; at the step boundary after it is done (under "
+            "DDP: on every rank) they compile in place from that cache. Not with "
+            "``granularity='nested'`` or FSDP2."
+        ),
+    )
+    background_timeout_s: float = field(
+        default=1800.0,
+        metadata=_doc(
+            "seconds the background compile may take; after that it is stopped, with a "
+            "warning, and the regions compile in the training process."
+        ),
+    )
     granularity: Literal["regions", "nested"] = field(
         default="regions",
         metadata=_doc(
@@ -123,6 +139,17 @@ class RegionalOptions:
             raise ValueError(
                 f"recompile_warn_threshold={threshold!r}: use a positive count, 'auto' (one "
                 "less than dynamo's recompile_limit) or None to turn the warning off."
+            )
+        if self.compile_in_background and self.granularity == "nested":
+            raise ValueError(
+                "compile_in_background=True with granularity='nested': a nested unit is "
+                "compiled whole around its blocks, so no block can be shipped alone. Use "
+                "granularity='regions', or leave compile_in_background off."
+            )
+        if not self.background_timeout_s > 0:
+            raise ValueError(
+                f"background_timeout_s={self.background_timeout_s!r}: use a positive number "
+                "of seconds."
             )
         object.__setattr__(self, "cache_dir", cache_dir_option(self.cache_dir))
 

@@ -8,6 +8,7 @@ in-place compilation changes nothing those later steps see but the forward.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -20,13 +21,14 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from .background import BackgroundCompile
 from .cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
 from .compat import OptimizedModule, compiled_by_torch_compile_context
 from .compile import compile_regions
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
 from .options import RegionalOptions, split_options, takes_options
-from .regions import RegionPlan
+from .regions import RegionPlan, find_regions
 from .report import region_report
 
 
@@ -35,7 +37,8 @@ class RegionalCompileBase:
     own three parts, each entered at setup and left at teardown: the run's compile cache
     (``cache.CompileCache``), the training compile environment
     (``environment.CompileEnvironment``) and the first-step reporter
-    (``first_step.FirstStepReporter``)."""
+    (``first_step.FirstStepReporter``); with ``compile_in_background``, a fourth:
+    ``background.BackgroundCompile``, made at each setup."""
 
     #: Options this strategy cannot use (set by ``options.takes_options``).
     excluded_options: tuple[str, ...] = ()
@@ -47,6 +50,8 @@ class RegionalCompileBase:
             options.disable_training_kv_cache, options.unspecialize_module_ints
         )
         self.reporter = FirstStepReporter(options.recompile_warn_threshold)
+        self.background: BackgroundCompile | None = None
+        self._pending: tuple[Any, bool] | None = None  # (module, root_is_called) to compile
 
     @property
     def compile_kwargs(self) -> dict[str, Any]:
@@ -59,17 +64,65 @@ class RegionalCompileBase:
         return self.compile_cache.chosen
 
     def leave_parts(self) -> None:
-        """Leave what setup entered: the compile cache and the compile environment."""
+        """Leave what setup entered: the background compile, the compile cache and the
+        compile environment."""
+        if self.background is not None:
+            self.background.stop()
         self.compile_cache.exit()
         self.environment.exit()
 
     def compile_in_place(
         self, module: Any, root_is_called: bool, plan: RegionPlan | None = None
     ) -> None:
-        """Compile ``module``'s regions in place (by ``plan`` when given) and log them."""
+        """Compile ``module``'s regions in place (by ``plan`` when given) and log them;
+        with ``compile_in_background``, start capturing their first calls instead."""
         _refuse_whole_model_compile(module)
         self.compile_cache.enter()
         self.environment.enter(module)
+        if self.options.compile_in_background:
+            if self.background is not None:
+                self.background.stop()
+            plan = plan or find_regions(module, self.options.regions, root_is_called=root_is_called)
+            self.background = BackgroundCompile(self.options.background_timeout_s)
+            self.background.capture(plan)
+            self._pending = (module, root_is_called)
+            rank_zero_info(
+                f"regional compile: {len(plan.regions)} region(s) run eager while a child "
+                "process compiles them (compile_in_background=True)"
+            )
+            return
+        self._compile_now(module, root_is_called, plan)
+
+    def at_step_boundary(self, module: Any, agree: Any, phase: str = "training") -> None:
+        """After an optimizer step: in the background mode, ship the first step's calls,
+        or switch when the child is done (``agree``: every process's readiness, so all
+        switch at the same step); then report as the default mode does."""
+        background = self.background
+        if background is not None and not background.switched and self._pending is not None:
+            background.steps_eager += 1
+            if background.steps_eager == 1:
+                background.ship(self.options.compile_kwargs | self._compile_options())
+            if not agree(background.ready()):
+                return
+            background.warn_if_failed()
+            background.switched = True
+            waited = time.perf_counter() - background.started if background.started else 0.0
+            rank_zero_info(
+                f"regional compile: background compile done after {background.steps_eager} "
+                f"eager step(s) ({waited:.1f}s); the regions compile in place from now on"
+            )
+            module_, root_is_called = self._pending
+            self._pending = None
+            self._compile_now(module_, root_is_called, background.plan)
+            background.stop()
+            return
+        self.reporter.after_optimizer_step(module, phase)
+
+    def _compile_options(self) -> dict[str, Any]:
+        """What ``compile_regions`` gets besides ``torch.compile``'s arguments."""
+        return {"on_compile_error": self.options.on_compile_error}
+
+    def _compile_now(self, module: Any, root_is_called: bool, plan: RegionPlan | None) -> None:
         compile_regions(
             module,
             inplace=True,
@@ -161,8 +214,12 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)
-        self.reporter.after_optimizer_step(self.lightning_module)
+        self.at_step_boundary(self.lightning_module, self.all_ready)
         return output
+
+    def all_ready(self, ready: bool) -> bool:
+        """True when every process is ready (one all-reduce; itself on one device)."""
+        return bool(self.reduce_boolean_decision(ready, all=True))
 
     @override
     def on_validation_end(self) -> None:

@@ -2,6 +2,7 @@
 ``from lightning_regions.warnings import RegionNotCompiledWarning``. The same names stay
 importable from ``lightning_regions`` itself."""
 
+from .background import BackgroundCompileWarning
 from .cache import CacheArtifactsIgnoredWarning
 from .fsdp import FSDPMeshWarning
 from .nested import NestedRegionError
@@ -12,6 +13,7 @@ from .tracking import RegionCompileError, RegionCompileWarning
 from .watch import RecompileStormWarning
 
 __all__ = [
+    "BackgroundCompileWarning",
     "CacheArtifactsIgnoredWarning",
     "FSDPMeshWarning",
     "NestedRegionError",

@@ -1,6 +1,6 @@
 """Two-process DDP over gloo on CPU, run as a script (Lightning re-launches it per rank).
 
-Usage: python tests/ddp_run.py {regional,nested,eager} OUT_DIR
+Usage: python tests/ddp_run.py {regional,nested,eager,background,eager_long} OUT_DIR
 Each rank writes its final parameters and losses to OUT_DIR/<mode>_rank<r>.pt.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,23 +27,28 @@ def main(mode: str, out: Path) -> None:
     )
     if mode == "regional":
         strategy = RegionalCompileDDPStrategy(backend="eager", process_group_backend="gloo")
+    elif mode == "background":
+        strategy = RegionalCompileDDPStrategy(
+            backend="aot_eager", process_group_backend="gloo", compile_in_background=True
+        )
     elif mode == "nested":
         strategy = RegionalCompileDDPStrategy(
             backend="aot_eager", process_group_backend="gloo", granularity="nested"
         )
     else:
         strategy = "ddp"
+    long = mode in ("background", "eager_long")  # long enough for the child to finish
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_steps=3,
+        max_steps=BACKGROUND_STEPS if long else 3,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[TiedWeightsCheck()],
+        callbacks=[TiedWeightsCheck(), *([WaitForTheSwitch()] if mode == "background" else [])],
     )
     trainer.fit(model, data)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -50,11 +56,30 @@ def main(mode: str, out: Path) -> None:
     compiled = unit._compiled_call_impl is not None
     payload = {"params": state, "losses": model.losses, "compiled": compiled}
     payload["saved_loads_equal"] = saved_loads_equal(model, trainer.model)
+    if mode == "background":
+        background = trainer.strategy.background
+        payload["steps_eager"] = background.steps_eager
+        payload["switched"] = background.switched and not background.failure
+        payload["child_left"] = background.process is not None
     if mode == "nested":
         rows = region_report(model).nested
         payload["nested_calls"] = sum(row.nested_calls for row in rows)
         payload["never_ran_compiled"] = len(region_report(model).never_ran_compiled)
     torch.save(payload, out / f"{mode}_rank{trainer.global_rank}.pt")
+
+
+#: Steps of the background runs: the child needs seconds to start and compile.
+BACKGROUND_STEPS = 120
+
+
+class WaitForTheSwitch(pl.Callback):
+    """Slow the eager steps down until the regions switched, so the switch comes
+    within ``BACKGROUND_STEPS`` on a loaded machine."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        background = trainer.strategy.background
+        if background is not None and not background.switched:
+            time.sleep(0.25)
 
 
 def saved_loads_equal(model: GPTModule, wrapped: torch.nn.Module) -> bool:

@@ -39,3 +39,17 @@ def test_ranks_end_identical_and_equal_to_eager_ddp(tmp_path, eager, mode):
     if mode == "nested":  # 3 positions, 2 distinct blocks: every call nested in the graph
         assert all(rank["nested_calls"] == 3 for rank in regional), regional[0]["nested_calls"]
         assert all(rank["never_ran_compiled"] == 0 for rank in regional)
+
+
+@pytest.mark.ddp
+def test_background_compile_switches_every_rank_at_the_same_step_with_eager_losses(tmp_path):
+    background = run_ddp("background", tmp_path)
+    eager_long = run_ddp("eager_long", tmp_path)
+    assert all(rank["switched"] and not rank["child_left"] for rank in background)
+    assert background[0]["steps_eager"] == background[1]["steps_eager"] >= 1
+    assert all(rank["compiled"] for rank in background)
+    for rank in range(2):
+        assert background[rank]["losses"] == pytest.approx(eager_long[rank]["losses"], rel=1e-5)
+    for name, value in background[0]["params"].items():
+        torch.testing.assert_close(background[1]["params"][name], value, rtol=0, atol=0)
+        torch.testing.assert_close(value, eager_long[0]["params"][name], rtol=1e-4, atol=1e-5)

@@ -23,7 +23,7 @@ LAYERS = (
     ("compile",),
     ("diagnosis",),
     ("report", "tiecheck"),
-    ("environment", "first_step"),
+    ("environment", "first_step", "background"),
     ("strategy",),
     ("fabric", "fsdp", "cli"),
     ("warnings",),
