@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import io
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from helpers import WaitForTheSwitch
 
 from examples.lightning_gpt import CharDataModule, GPTModule
 from lightning_regions import RegionalCompileDDPStrategy, TiedWeightsCheck, region_report
@@ -48,7 +49,7 @@ def main(mode: str, out: Path) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[TiedWeightsCheck(), *([WaitForTheSwitch()] if mode == "background" else [])],
+        callbacks=[TiedWeightsCheck(), *([WaitForTheSwitch(0.25)] if mode == "background" else [])],
     )
     trainer.fit(model, data)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -70,16 +71,6 @@ def main(mode: str, out: Path) -> None:
 
 #: Steps of the background runs: the child needs seconds to start and compile.
 BACKGROUND_STEPS = 120
-
-
-class WaitForTheSwitch(pl.Callback):
-    """Slow the eager steps down until the regions switched, so the switch comes
-    within ``BACKGROUND_STEPS`` on a loaded machine."""
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        background = trainer.strategy.background
-        if background is not None and not background.switched:
-            time.sleep(0.25)
 
 
 def saved_loads_equal(model: GPTModule, wrapped: torch.nn.Module) -> bool:

@@ -6,6 +6,7 @@ under the strategy and plain Lightning. Test modules import from here (and from
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -64,6 +65,25 @@ class SeenCacheDir(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+class WaitForTheSwitch(pl.Callback):
+    """Slow the eager steps of ``compile_in_background=True`` down until the regions
+    switched, so the switch comes within a short run on a loaded machine; records the
+    child's pid while it runs."""
+
+    def __init__(self, seconds: float = 0.1) -> None:
+        self.seconds = seconds
+        self.pids: list[int] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        background = trainer.strategy.background
+        if background is None:
+            return
+        if background.process is not None:
+            self.pids.append(background.process.pid)
+        if not background.switched:
+            time.sleep(self.seconds)
 
 
 # --- the tiny GPT -----------------------------------------------------------------------

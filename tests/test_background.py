@@ -12,7 +12,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import data, gpt, trainer
+from helpers import WaitForTheSwitch, data, gpt, seeded_stack, trainer, vectors
 from torch import nn
 
 from lightning_regions import (
@@ -23,21 +23,6 @@ from lightning_regions import (
 from lightning_regions.background import BackgroundCompileWarning
 
 STEPS = 120
-
-
-class WaitForTheSwitch(pl.Callback):
-    """Slow the eager steps down until the regions switched, so the switch comes within
-    the run on a loaded machine; records the child's pid while it runs."""
-
-    def __init__(self) -> None:
-        self.pids: list[int] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        background = trainer.strategy.background
-        if background.process is not None:
-            self.pids.append(background.process.pid)
-        if not background.switched:
-            time.sleep(0.1)
 
 
 def is_running(pid: int) -> bool:
@@ -85,26 +70,8 @@ def test_a_region_that_cannot_be_shipped_warns_once_and_compiles_in_process(tmp_
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.proj(x).tanh()
 
-    class Local(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.blocks = nn.ModuleList(LocalBlock() for _ in range(3))
-            self.losses: list[float] = []
-
-        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            x = batch
-            for block in self.blocks:
-                x = block(x)
-            loss = x.pow(2).mean()
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-2)
-
-    loader = torch.utils.data.DataLoader(torch.randn(32, 8, generator=torch.Generator()), 4)
-    ours, plain = Local(), Local()
+    loader = vectors()
+    ours, plain = (seeded_stack(lambda: [LocalBlock() for _ in range(3)]) for _ in range(2))
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
     with pytest.warns(BackgroundCompileWarning, match="LocalBlock is defined in") as caught:
         trainer(tmp_path, strategy, 6).fit(ours, loader)
@@ -132,31 +99,8 @@ class FailsElsewhere(nn.Module):
         return x + self.proj(x).tanh()
 
 
-class Blocks(pl.LightningModule):
-    def __init__(self, block=FailsElsewhere) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(block() for _ in range(3))
-        self.losses: list[float] = []
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        x = batch
-        for block in self.blocks:
-            x = block(x)
-        loss = x.pow(2).mean()
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-2)
-
-
-def vectors() -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(torch.randn(32, 8, generator=torch.Generator()), 4)
-
-
 def test_a_failed_background_compile_warns_once_and_training_goes_on(tmp_path):
-    ours, plain = Blocks(), Blocks()
+    ours, plain = (seeded_stack(lambda: [FailsElsewhere() for _ in range(3)]) for _ in range(2))
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
     wait = WaitForTheSwitch()
     with pytest.warns(BackgroundCompileWarning, match="runs only where it was built") as caught:
