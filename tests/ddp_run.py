@@ -10,12 +10,12 @@ import io
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helpers import WaitForTheSwitch
+from helpers import trainer as make_trainer
 
 from examples.lightning_gpt import CharDataModule, GPTModule
 from lightning_regions import RegionalCompileDDPStrategy, TiedWeightsCheck, region_report
@@ -39,17 +39,9 @@ def main(mode: str, out: Path) -> None:
     else:
         strategy = "ddp"
     long = mode in ("background", "eager_long")  # long enough for the child to finish
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=BACKGROUND_STEPS if long else 3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[TiedWeightsCheck(), *([WaitForTheSwitch(0.25)] if mode == "background" else [])],
+    waiting = [WaitForTheSwitch(0.25)] if mode == "background" else []
+    trainer = make_trainer(
+        None, strategy, BACKGROUND_STEPS if long else 3, [TiedWeightsCheck(), *waiting], devices=2
     )
     trainer.fit(model, data)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helpers import SeenCacheDir
+from helpers import SeenCacheDir, trainer
 
 from examples.lightning_gpt import CharDataModule, GPTModule
 from lightning_regions import (
@@ -127,25 +127,10 @@ def fit(
 ) -> pl.Trainer:
     torch._dynamo.reset()
     GRAPHS.clear()
-    checkpointing = any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks", ()))
-    options = {
-        "limit_val_batches": 0,
-        "logger": False,
-        "enable_checkpointing": checkpointing,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        **kwargs,
-    }
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=steps,
-        default_root_dir=root,
-        **options,
-    )
-    trainer.fit(model, data(), ckpt_path=ckpt_path)
-    return trainer
+    callbacks = kwargs.pop("callbacks", ())
+    run = trainer(root, strategy, steps, callbacks, devices=devices, **kwargs)
+    run.fit(model, data(), ckpt_path=ckpt_path)
+    return run
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -57,22 +57,10 @@ class DevicesDuringTraining(pl.Callback):
 
 
 def fit_on_gpu(tmp_path, strategy, **kwargs):
-    from helpers import data, gpt
+    from helpers import data, gpt, trainer
 
     model, check, devices = gpt(), TiedWeightsCheck(), DevicesDuringTraining()
-    pl.Trainer(
-        strategy=strategy,
-        accelerator="gpu",
-        devices=1,
-        max_steps=4,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=tmp_path,
-        callbacks=[check, devices],
-        **kwargs,
-    ).fit(model, data())
+    trainer(tmp_path, strategy, 4, [check, devices], accelerator="gpu", **kwargs).fit(model, data())
     return model, check, devices.devices
 
 
