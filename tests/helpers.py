@@ -12,7 +12,6 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-import transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -105,6 +104,8 @@ VOCAB = 64
 
 
 def gpt2() -> nn.Module:
+    import transformers  # here: the 2-process scripts import this module on every rank
+
     config = transformers.GPT2Config(
         n_layer=12,  # a real depth: the recompile limit (8) hides below 9 layers
         n_embd=32,
@@ -118,6 +119,8 @@ def gpt2() -> nn.Module:
 
 
 def llama() -> nn.Module:
+    import transformers
+
     config = transformers.LlamaConfig(
         num_hidden_layers=12,
         hidden_size=32,
