@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import copy
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -179,7 +180,7 @@ class BackgroundCompile:
     def capture(self, plan: RegionPlan) -> None:
         """Record each region's first training call from now on."""
         self.plan = plan
-        order = iter(range(10**9))
+        order = itertools.count()
         for index, region in enumerate(plan.regions):
 
             def record(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
 import torch
@@ -164,12 +164,9 @@ class RegionalOptions:
             **({"options": self.options} if self.options is not None else {}),
         }
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-def option_names(excluded: Iterable[str] = ()) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(RegionalOptions) if f.name not in set(excluded))
+def option_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(RegionalOptions))
 
 
 def split_options(
