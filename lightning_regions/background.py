@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .compat import dynamo_config
+from .compat import dynamo_config, tree_flatten, tree_unflatten
 from .regions import RegionPlan
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from torch import nn
 
 #: The range ``setup.cfg`` declares. CI runs the suite on the oldest and the newest
 #: release of it and on the pinned default (``TESTED_TORCH``).
@@ -64,7 +65,21 @@ PRIVATE_APIS = (
     ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
     ("torch._dynamo.config", "recompile_limit", "warning of recompiles before the limit"),
     ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "FSDP2 groups' mesh sizes"),
+    ("torch.nn", "Module._call_impl", "calling a module past its compiled call"),
+    ("torch.utils._pytree", "tree_flatten", "shipping a region's example inputs"),
+    ("torch.utils._pytree", "tree_unflatten", "shipping a region's example inputs"),
 )
+
+#: The slots every ``nn.Module`` instance keeps its registrations in (``__init__`` sets
+#: them, so they are checked on an instance): the plan reads every registration, ``None``
+#: and repeated ones included, which ``named_children()`` and ``named_parameters()`` skip.
+MODULE_CHILDREN = "_modules"
+MODULE_PARAMETERS = "_parameters"
+MODULE_BUFFERS = "_buffers"
+#: Where ``nn.Module.compile`` puts the compiled call (instance ``__dict__``).
+COMPILED_CALL = "_compiled_call_impl"
+#: Where an ``OptimizedModule`` keeps the module it wraps; also a path segment of it.
+COMPILED_SOURCE = "_orig_mod"
 
 
 def missing_torch_apis() -> list[str]:
@@ -79,6 +94,12 @@ def missing_torch_apis() -> list[str]:
             found = getattr(found, name, None)
         if found is None:
             missing.append(f"{module_name}.{attribute} ({purpose})")
+    instance = torch.nn.Module()
+    for slot in (MODULE_CHILDREN, MODULE_PARAMETERS, MODULE_BUFFERS):
+        if not isinstance(vars(instance).get(slot), dict):
+            missing.append(f"torch.nn.Module().{slot} (reading every registration)")
+    if COMPILED_CALL not in vars(torch.nn.Module):  # None there, so not a PRIVATE_APIS row
+        missing.append(f"torch.nn.Module.{COMPILED_CALL} (compiling a region in place)")
     return missing
 
 
@@ -106,6 +127,7 @@ from torch._inductor.runtime.cache_dir_utils import (  # noqa: E402
 from torch._inductor.utils import clear_caches as clear_inductor_caches  # noqa: E402
 from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager  # noqa: E402
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 
 __all__ = [
     "CacheArtifactFactory",
@@ -117,6 +139,8 @@ __all__ = [
     "dynamo_counters",
     "get_compilation_metrics",
     "inductor_cache_dir",
+    "tree_flatten",
+    "tree_unflatten",
 ]
 
 
@@ -275,6 +299,63 @@ def recompile_limit() -> int:
 
 
 # --- private attributes read on objects (not importable, so not in PRIVATE_APIS) -------
+
+
+def registered_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s child registrations as stored: ``None`` children included."""
+    return vars(module)[MODULE_CHILDREN]
+
+
+def set_registered_children(module: nn.Module, children: dict[str, nn.Module | None]) -> None:
+    """Replace ``module``'s child registrations (on a shallow copy)."""
+    vars(module)[MODULE_CHILDREN] = children
+
+
+def registered_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter registrations as stored: ``None`` ones included."""
+    return vars(module)[MODULE_PARAMETERS]
+
+
+def registered_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffer registrations as stored: ``None`` ones included."""
+    return vars(module)[MODULE_BUFFERS]
+
+
+def compiled_call(module: nn.Module) -> Any:
+    """What ``nn.Module.compile`` set as ``module``'s call, or None."""
+    return getattr(module, COMPILED_CALL)
+
+
+def set_compiled_call(module: nn.Module, call: Any) -> None:
+    """Make ``call`` ``module``'s call, as ``nn.Module.compile`` does with its own."""
+    setattr(module, COMPILED_CALL, call)
+
+
+def call_past_compiled(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module`` as ``nn.Module.__call__`` does without a compiled call: hooks
+    and ``forward``. Traced by dynamo inside a region's trampoline."""
+    return module._call_impl(*args, **kwargs)
+
+
+def compiled_source(compiled: nn.Module) -> nn.Module:
+    """The module an ``OptimizedModule`` wraps."""
+    return getattr(compiled, COMPILED_SOURCE)
+
+
+def set_compiled_source(module: nn.Module, source: nn.Module) -> None:
+    """Give an out-of-place result's root the ``_orig_mod`` an ``OptimizedModule`` has."""
+    vars(module).setdefault(COMPILED_SOURCE, source)
+
+
+#: The name of a lazily recompiled ``GraphModule``'s bound ``forward`` before it compiles.
+LAZY_FORWARD = "_lazy_forward"
+
+
+def fabric_original_module(module: nn.Module) -> nn.Module:
+    """The user's module under Fabric's ``_FabricModule`` (and DDP inside it), or
+    ``module`` itself where it is not one."""
+    return getattr(module, "_original_module", module)
+
 
 #: The global names dynamo gives the compiled graphs of a frame it compiled.
 COMPILED_FN_PREFIX = "__compiled_fn"

@@ -15,7 +15,16 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from .compat import OptimizedModule
+from .compat import (
+    COMPILED_CALL,
+    OptimizedModule,
+    compiled_call,
+    compiled_source,
+    registered_children,
+    set_compiled_call,
+    set_compiled_source,
+    set_registered_children,
+)
 from .graph import unwrap
 from .nested import inductor_options_for_nested, mark_nested
 from .options import validate_compile_arguments, validate_granularity, validate_on_compile_error
@@ -59,10 +68,10 @@ class InPlace:
         variant = self.entries.get(id(original))
         if variant is not None:
             call = MethodType(trampoline(type(module), variant), module)
-            module._compiled_call_impl = torch.compile(call, **self.compile_kwargs)
+            set_compiled_call(module, torch.compile(call, **self.compile_kwargs))
         else:
             module.compile(**self.compile_kwargs)
-        self.tracker.observe(original, module.__dict__, "_compiled_call_impl")
+        self.tracker.observe(original, module.__dict__, COMPILED_CALL)
         self.compiled_now += 1
         return module
 
@@ -126,7 +135,7 @@ class OutOfPlace:
         return compiled
 
     def nested(self, module: nn.Module) -> nn.Module:
-        return mark_nested(shallow_copy(module, module._modules))
+        return mark_nested(shallow_copy(module, registered_children(module)))
 
     def parent(self, module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
         return shallow_copy(module, children)
@@ -142,7 +151,7 @@ class ContainerOptimizedModule(OptimizedModule):
 
     @property
     def _source(self) -> Any:
-        return self._orig_mod
+        return compiled_source(self)
 
     def __getitem__(self, index: Any) -> Any:
         return self._source[index]
@@ -159,7 +168,7 @@ class ContainerOptimizedModule(OptimizedModule):
 
 def is_compiled(module: nn.Module) -> bool:
     """True for an ``OptimizedModule`` or a module compiled in place."""
-    return isinstance(module, OptimizedModule) or module._compiled_call_impl is not None
+    return isinstance(module, OptimizedModule) or compiled_call(module) is not None
 
 
 def shallow_copy(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
@@ -175,7 +184,7 @@ def shallow_copy(module: nn.Module, children: dict[str, nn.Module | None]) -> nn
         elif isinstance(value, MethodType) and value.__self__ is module:
             value = MethodType(value.__func__, new)
         new.__dict__[key] = value
-    new.__dict__["_modules"] = dict(children)
+    set_registered_children(new, dict(children))
     return new
 
 
@@ -203,7 +212,7 @@ def apply_plan(root: nn.Module, plan: RegionPlan, mode: ApplyMode) -> nn.Module:
             memo[key] = module  # a cycle back to this module keeps the original
             children = {
                 name: None if child is None else visit(child)
-                for name, child in module._modules.items()
+                for name, child in registered_children(module).items()
             }
             result = mode.parent(module, children)
             if is_region:
@@ -228,7 +237,7 @@ def _ancestors_of(root: nn.Module, targets: set[int]) -> set[int]:
         if key in done:
             return key in result
         found = False
-        for child in module._modules.values():
+        for child in registered_children(module).values():
             if child is None or id(child) in path:
                 continue
             below = contains_target(child, path | {id(child)})  # a target may hold targets
@@ -309,8 +318,7 @@ def compile_regions(
             return result  # already compiled: keep the tracker that saw it happen
     else:
         result = apply_plan(module, plan, OutOfPlace(torch_kwargs, tracker))
-        if "_orig_mod" not in result.__dict__:
-            result.__dict__["_orig_mod"] = module
+        set_compiled_source(result, module)
     result.__dict__[TRACKER_ATTRIBUTE] = tracker
     return result
 

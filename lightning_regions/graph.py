@@ -15,13 +15,19 @@ from functools import cached_property
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .compat import OptimizedModule
+from .compat import (
+    COMPILED_SOURCE,
+    OptimizedModule,
+    compiled_source,
+    registered_children,
+    registered_parameters,
+)
 
 #: On a nested region's marked subclass (``nested.mark_nested``): the class it marks.
 MARKED_FROM = "_lightning_regions_nested_of"
 #: Path segments added by wrappers, not by the model: ``torch.compile`` registers the
 #: original module as ``_orig_mod`` inside an ``OptimizedModule``.
-WRAPPER_SEGMENTS = frozenset({"_orig_mod"})
+WRAPPER_SEGMENTS = frozenset({COMPILED_SOURCE})
 
 
 def canonical_path(path: str) -> str:
@@ -32,7 +38,7 @@ def canonical_path(path: str) -> str:
 def unwrap(module: nn.Module) -> nn.Module:
     """The module under any ``torch.compile`` wrappers."""
     while isinstance(module, OptimizedModule):
-        module = module._orig_mod
+        module = compiled_source(module)
     return module
 
 
@@ -64,7 +70,7 @@ def iter_registrations(root: nn.Module) -> Iterator[tuple[str, nn.Module | None]
 def _iter_below(
     module: nn.Module, prefix: str, ancestors: frozenset[int]
 ) -> Iterator[tuple[str, nn.Module | None]]:
-    for name, child in module._modules.items():
+    for name, child in registered_children(module).items():
         path = join(prefix, name)
         yield path, child
         if child is not None and id(child) not in ancestors:
@@ -161,7 +167,7 @@ def snapshot(root: nn.Module) -> ModuleGraph:
             continue
         module = unwrap(module)
         modules[path] = module
-        for name, param in module._parameters.items():
+        for name, param in registered_parameters(module).items():
             if param is not None:
                 parameters[join(path, name)] = param
     return ModuleGraph(modules=modules, parameters=parameters)

@@ -23,7 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import NESTED_BACKWARD_BUFFER_REUSE, inductor_mode_options, is_nested_compile_region
+from .compat import (
+    MODULE_CHILDREN,
+    NESTED_BACKWARD_BUFFER_REUSE,
+    inductor_mode_options,
+    is_nested_compile_region,
+)
 from .graph import MARKED_FROM
 
 #: The higher-order op a nested region becomes in dynamo's graph.
@@ -158,7 +163,7 @@ def _module_path(source: str) -> str:
     """``L['self'].blocks[1]`` (dynamo's source of the module) as ``blocks.1``: relative to
     the frame's module, ``self`` or, under a ``wrapper(*args)`` decorator, ``args[0]``."""
     path = re.sub(r"^L\[['\"]\w+['\"]\](\[\d+\])?\.?", "", source)
-    path = re.sub(r"\._modules\[['\"](\w+)['\"]\]", r".\1", path)
+    path = re.sub(rf"\.{MODULE_CHILDREN}\[['\"](\w+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?(\w+)['\"]?\]", r".\1", path)
     return path.lstrip(".")
 

@@ -36,6 +36,7 @@ from types import CodeType
 
 from torch import nn
 
+from .compat import registered_children
 from .graph import ModuleGraph, model_class, snapshot, unwrap
 
 CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -164,7 +165,7 @@ def _top_level_children(root: nn.Module) -> list[nn.Module]:
     """Each distinct top-level child of ``root`` with parameters, containers expanded."""
     children = [
         entry
-        for child in root._modules.values()
+        for child in registered_children(root).values()
         if child is not None
         for entry in _expand_containers(child)
         if _has_parameters(entry)
@@ -220,7 +221,7 @@ def _as_list(regions: Selectors) -> list[str]:
 
 
 def _entries(container: nn.Module) -> list[nn.Module]:
-    return [child for child in container._modules.values() if child is not None]
+    return [child for child in registered_children(container).values() if child is not None]
 
 
 def _expand_containers(module: nn.Module) -> list[nn.Module]:
@@ -325,7 +326,7 @@ def _called_in_loops(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
         if code is None or forward.__module__.startswith("torch."):
             continue
         for name in sorted(_attributes_loaded_in_loops(code)):
-            child = parent._modules.get(name)
+            child = registered_children(parent).get(name)
             if child is not None and _is_user_block(child):
                 where = f"{model_class(parent).__name__}.forward"
                 found.append((child, f"{model_class(child).__name__} called in a loop in {where}"))

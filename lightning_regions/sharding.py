@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .compat import fsdp_param_groups
+from .compat import fsdp_param_groups, registered_children, registered_parameters
 from .regions import Region, RegionPlan
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def shard_by_plan(
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
-    own = [name for name, p in root._parameters.items() if p is not None]
+    own = [name for name, p in registered_parameters(root).items() if p is not None]
     if own:
         raise ValueError(
             f"Parameters {own} are held by {type(root).__name__} itself, so sharding by "
@@ -160,8 +160,8 @@ def _params_outside(
     if id(module) in region_ids or id(module) in visited:
         return
     visited.add(id(module))
-    yield from (p for p in module._parameters.values() if p is not None)
-    for child in module._modules.values():
+    yield from (p for p in registered_parameters(module).values() if p is not None)
+    for child in registered_children(module).values():
         if child is not None:
             yield from _params_outside(child, region_ids, visited)
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from .background import BackgroundCompile
 from .cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
-from .compat import OptimizedModule, compiled_by_torch_compile_context
+from .compat import OptimizedModule, compiled_by_torch_compile_context, compiled_call
 from .compile import compile_regions
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
@@ -149,7 +149,12 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
         """The Trainer of the LightningModule, or None before one is attached
         (``strategy.load_checkpoint`` may be called then)."""
         module = self.lightning_module
-        return getattr(module, "_trainer", None) if module is not None else None
+        if module is None:
+            return None
+        try:
+            return module.trainer
+        except RuntimeError:  # "... is not attached to a `Trainer`."
+            return None
 
     def set_up_module(self) -> Any:
         """The LightningModule being set up (Lightning attaches it before ``setup``)."""
@@ -246,7 +251,7 @@ def _refuse_whole_model_compile(module: Any) -> None:
             f"{type(module).__name__} was passed wrapped by torch.compile. Regional "
             "compilation compiles the blocks itself: pass the plain LightningModule."
         )
-    if module._compiled_call_impl is not None:
+    if compiled_call(module) is not None:
         raise ValueError(
             f"{type(module).__name__} was compiled whole with .compile(). Regional "
             "compilation compiles the blocks itself: pass the plain LightningModule."

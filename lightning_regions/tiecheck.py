@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from .compat import fabric_original_module
 from .graph import ModuleGraph, snapshot
 
 
@@ -101,7 +102,7 @@ def _validate_on_failure(on_failure: str) -> None:
 
 def _unwrap_fabric(module: torch.nn.Module) -> torch.nn.Module:
     """The user's module under Fabric's ``_FabricModule`` (and DDP inside it)."""
-    return getattr(module, "_original_module", module)
+    return fabric_original_module(module)
 
 
 class TieCheck:

@@ -36,6 +36,7 @@ from torch import nn
 from .compat import (
     COMPILED_FN_PREFIX,
     DYNAMO_WRAPPER_FRAME,
+    LAZY_FORWARD,
     LazyGraphModule,
     compile_wrapper,
     dynamo_graph_break_exceptions,
@@ -228,7 +229,7 @@ def _real_forward(compiled: CompiledFn) -> CompiledFn:
     Our wrapper hides it, so do it here."""
     lazy = compiled if isinstance(compiled, LazyGraphModule) else None
     owner = getattr(compiled, "__self__", None)
-    if isinstance(owner, LazyGraphModule) and getattr(compiled, "__name__", "") == "_lazy_forward":
+    if isinstance(owner, LazyGraphModule) and getattr(compiled, "__name__", "") == LAZY_FORWARD:
         lazy = owner
     if lazy is None:
         return compiled

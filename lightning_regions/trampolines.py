@@ -26,11 +26,13 @@ from typing import Any
 
 from torch import nn
 
+from .compat import call_past_compiled
+
 _TRAMPOLINES: dict[tuple[type, int], FunctionType] = {}
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return module._call_impl(*args, **kwargs)
+    return call_past_compiled(module, *args, **kwargs)
 
 
 def needs_trampoline(cls: type[nn.Module]) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .compat import registered_buffers, registered_parameters
 from .graph import iter_registrations, join, model_class
 from .regions import Region, RegionPlan
 
@@ -81,8 +82,8 @@ def features(module: nn.Module) -> dict[str, tuple[str, str]]:
             found[path] = (MODULE, "None" if child is None else model_class(child).__name__)
         if child is None:
             continue
-        for kind in ("_parameters", "_buffers"):
-            for name, tensor in getattr(child, kind).items():
+        for tensors in (registered_parameters(child), registered_buffers(child)):
+            for name, tensor in tensors.items():
                 shape = "None" if tensor is None else str(tuple(tensor.shape))
                 found[join(path, name)] = (TENSOR, shape)
         for name, value in vars(child).items():

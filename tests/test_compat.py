@@ -4,10 +4,13 @@ does and a test that exists."""
 
 from __future__ import annotations
 
+import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.specifiers import SpecifierSet
 
 from lightning_regions import compat
@@ -58,3 +61,88 @@ def test_every_gate_names_releases_and_a_test_that_exists(name):
     assert gate.torch_does and gate.we_do
     path, _, test = gate.test.partition("::")
     assert re.search(rf"^def {test}\(", (ROOT / path).read_text(), re.MULTILINE), gate.test
+
+
+#: Private names read outside compat on purpose, each with why it is not torch's or
+#: Lightning's: our own attributes, the standard library's, transformers' model hints.
+NOT_TORCH_OR_LIGHTNING = {
+    "_lightning_regions_tracker": "ours",
+    "_lightning_regions_nested_of": "ours",
+    "_lightning_regions_kv_cache_hook": "ours",
+    "_lightning_regions_hook": "ours",
+    "_getframe": "sys",
+    "_exit": "os",
+    "_repeated_blocks": "transformers' PreTrainedModel hint",
+    "_no_split_modules": "transformers' PreTrainedModel hint",
+    "_v": "a fragment of a trampoline's name",
+}
+
+
+def _private_names_outside_compat() -> list[str]:
+    found = []
+    for path in sorted((ROOT / "lightning_regions").glob("*.py")):
+        if path.name == "compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute) and not node.attr.startswith("__"):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    name = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                private = [part for part in node.module.split(".") if part.startswith("_")]
+                name = private[0] if private and private != ["__future__"] else None
+            if name and re.fullmatch(r"_[a-zA-Z]\w*", name) and name not in NOT_TORCH_OR_LIGHTNING:
+                found.append(f"{path.name}:{node.lineno} {name}")
+    return found
+
+
+def test_no_private_torch_or_lightning_name_is_read_outside_compat():
+    assert _private_names_outside_compat() == []
+
+
+def test_the_scan_finds_a_private_read(tmp_path, monkeypatch):
+    package = tmp_path / "lightning_regions"
+    package.mkdir()
+    (package / "leak.py").write_text(
+        "from torch._dynamo import config\n"
+        "def f(m):\n    return m._modules, getattr(m, '_trainer')\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _private_names_outside_compat() == [
+        "leak.py:1 _dynamo",
+        "leak.py:3 _modules",
+        "leak.py:3 _trainer",
+    ]
+
+
+def test_the_module_slot_accessors_read_what_torch_keeps():
+    parent = torch.nn.Module()
+    parent.block = torch.nn.Linear(2, 2)
+    parent.register_module("empty", None)
+    parent.scale = torch.nn.Parameter(torch.ones(1))
+    parent.register_buffer("steps", torch.zeros(1))
+    assert compat.registered_children(parent) == {"block": parent.block, "empty": None}
+    assert compat.registered_parameters(parent) == {"scale": parent.scale}
+    assert compat.registered_buffers(parent) == {"steps": parent.steps}
+
+    wrapped = torch.compile(parent.block, backend="eager")
+    assert compat.compiled_source(wrapped) is parent.block
+    assert compat.COMPILED_SOURCE in dict(wrapped.named_children())
+
+    assert compat.compiled_call(parent.block) is None
+    parent.block.compile(backend="eager")
+    assert compat.compiled_call(parent.block) is not None
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(compat.call_past_compiled(parent.block, x), parent.block.forward(x))
+
+
+def test_the_fabric_wrapper_is_unwrapped():
+    from lightning.fabric import Fabric
+
+    model = torch.nn.Linear(2, 2)
+    wrapped = Fabric(accelerator="cpu", devices=1).setup_module(model)
+    assert wrapped is not model
+    assert compat.fabric_original_module(wrapped) is model
+    assert compat.fabric_original_module(model) is model
