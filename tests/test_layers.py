@@ -59,3 +59,8 @@ def test_imports_point_down_the_data_flow():
 
 def test_graph_reads_torch_only_through_compat():
     assert imports_of("graph") == {"compat"}
+
+
+def test_the_architecture_page_names_every_module():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    assert [name for name in sorted(LAYER) if f"`{name}.py`" not in page] == []
