@@ -111,6 +111,12 @@ FIXES: dict[str, str] = {
         "config._experts_implementation before building the model): one graph per layer. "
         "Its cost: one weight slice per token-expert pair, so memory grows with tokens x top_k."
     ),
+    "transformers_loss_type": (
+        "transformers logs on every call that this model's loss_type is unset (a class "
+        "whose name holds no loss type, such as GPT2LMHeadModel), and dynamo breaks the "
+        "graph on the log call, as plain torch.compile does. Set model.loss_type = "
+        "'ForCausalLM' (the loss it uses) before training: one graph."
+    ),
     "graph_break_hint": "torch's hint: {hints} (not turned on for you).",
     "graph_break_unknown": "TORCH_LOGS=graph_breaks names each break and its line.",
 }
@@ -528,13 +534,15 @@ def shorter(frame: FrameCompile) -> str:
 
 
 def graph_break_fix(frames: list[FrameCompile]) -> str:
-    """What removes the breaks: for transformers' MoE experts, what was measured to
-    work; else torch's own hints; else where to look."""
+    """What removes the breaks: for transformers' MoE experts and its log of an unset
+    ``loss_type``, what was measured to work; else torch's own hints; else where to look."""
     text = " ".join(
         f"{frame.filename} {frame.name} {frame.breaks} {frame.failure}" for frame in frames
     )
     if "transformers" in text and re.search(r"moe|expert", text, re.IGNORECASE):
         return FIXES["moe_experts"]
+    if "transformers" in text and "`loss_type=None` was set in the config" in text:
+        return FIXES["transformers_loss_type"]
     found = dict.fromkeys(
         h for frame in frames for r in (*frame.breaks, frame.failure) for h in hints(r)
     )

@@ -384,3 +384,26 @@ def test_a_value_specialised_again_after_a_change_grows_with_depth():
 def test_one_kind_of_guard_recompiling_again_grows_with_depth():
     reasons = tuple(f"0/{i}: ___check_obj_id(self.norm, {1000 + i})" for i in range(3))
     assert not judged(reasons, (1, 1, 1, 1)).bounded
+
+
+@pytest.mark.parametrize("loss_type", [None, "ForCausalLM"], ids=["unset", "set"])
+def test_gpt2s_unset_loss_type_break_names_the_fix_and_the_fix_removes_it(loss_type):
+    # GPT2LMHeadModel's name holds no loss type, so transformers logs on every call
+    # (warning_once) and dynamo breaks the graph there: compiled whole (nested), the
+    # break is real, as under plain torch.compile; setting loss_type removes it.
+    from helpers import gpt2
+
+    from lightning_regions import compile_regions
+
+    model = gpt2()
+    if loss_type:
+        model.loss_type = loss_type
+    compile_regions(model, inplace=True, granularity="nested", backend="aot_eager")
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    breaks = region_report(model).breaks
+    if loss_type:
+        assert breaks == ()
+    else:
+        assert [b.class_name for b in breaks] == ["GPT2LMHeadModel"]
+        assert "model.loss_type = 'ForCausalLM'" in breaks[0].fix
