@@ -75,3 +75,16 @@ def test_the_support_table_agrees_with_setup_cfg():
         assert f"`{name}{declared}`" in README, name
     ruff = (ROOT / "ruff.toml").read_text()
     assert 'target-version = "py311"' in ruff
+
+
+def test_the_support_table_names_the_versions_ci_runs():
+    pins = dict(re.findall(r"^(\w+)==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M))
+    ci = (ROOT / ".ci" / "run").read_text()
+    rows = {line.split("|")[1].strip(): line for line in README.splitlines() if line[:2] == "| "}
+    expected = {
+        "torch": [pins["torch"], *re.findall(r"\bTORCH=(\S+)", ci)],
+        "Lightning": [pins["lightning"], *re.findall(r"\bLIGHTNING=(\S+)", ci)],
+        "transformers": re.findall(r"\bTRANSFORMERS=(\S+)", ci),
+    }
+    for name, versions in expected.items():
+        assert versions and all(version in rows[name] for version in versions), name
