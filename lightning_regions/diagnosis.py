@@ -247,7 +247,7 @@ def _recompiles_per_kind(reasons: tuple[str, ...]) -> dict[tuple[str, str], int]
         expression = parse_guard(reason).expression
         if not expression:
             continue
-        kind = _without_values(expression)
+        kind = _guard_kind(expression)
         key = (frame.group(1) if frame else "", kind)
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -280,7 +280,7 @@ def judge_nested_traced(
     )
 
 
-def _without_values(expression: str) -> str:
+def _guard_kind(expression: str) -> str:
     """A guard with every number left out but a tensor's dimension (``at index 2``)."""
     parts = re.split(r"(at index \d+)", expression)
     return "".join(p if p.startswith("at index") else re.sub(r"\d+", "N", p) for p in parts)
@@ -301,14 +301,14 @@ def _specialised_again(reasons: tuple[str, ...]) -> bool:
 
 
 def _distinct_guards(reasons: tuple[str, ...]) -> tuple[Guard, ...]:
-    """Guards not on a tensor input, one per shape (``layers[7]`` and ``layers[6]`` are one),
-    with their locations as the real paths of the files."""
+    """Guards not on a tensor input, one per kind (``_guard_kind``: ``layers[7]`` and
+    ``layers[6]`` are one), with their locations as the real paths of the files."""
     distinct: dict[str, Guard] = {}
     for reason in reasons:
         guard = parse_guard(reason)
         if guard.expression and not guard.on_input_tensor:
             real = Guard(guard.expression, guard.source, real_location(guard.location))
-            distinct.setdefault(re.sub(r"\d+", "N", guard.expression), real)
+            distinct.setdefault(_guard_kind(guard.expression), real)
     return tuple(distinct.values())
 
 
