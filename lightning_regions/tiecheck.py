@@ -100,11 +100,6 @@ def _validate_on_failure(on_failure: str) -> None:
         raise ValueError(f"on_failure={on_failure!r}: use 'raise' or 'warn'.")
 
 
-def _unwrap_fabric(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's module under Fabric's ``_FabricModule`` (and DDP inside it)."""
-    return fabric_original_module(module)
-
-
 class TieCheck:
     """Record alias and tie groups now; ``verify`` them later.
 
@@ -119,7 +114,7 @@ class TieCheck:
     ) -> None:
         _validate_on_failure(on_failure)
         self.on_failure = on_failure
-        self.recorded: ModuleGraph = snapshot(_unwrap_fabric(module))
+        self.recorded: ModuleGraph = snapshot(fabric_original_module(module))
         self.broken: list[BrokenGroup] | None = None
 
     def verify(self, module: torch.nn.Module, *optimizers: Any) -> list[BrokenGroup]:
@@ -130,7 +125,7 @@ class TieCheck:
             for group in getattr(opt, "optimizer", opt).param_groups
             for p in group["params"]
         ]
-        live = snapshot(_unwrap_fabric(module))
+        live = snapshot(fabric_original_module(module))
         self.broken = check_ties(self.recorded, live, optimizer_params)
         aliases = len(self.recorded.own_alias_groups())
         ties = len(self.recorded.own_tie_groups())
