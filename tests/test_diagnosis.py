@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import transformers
-from helpers import trainer
+from helpers import gpt2, trainer
 from torch import nn
 
 from lightning_regions import (
@@ -23,6 +23,7 @@ from lightning_regions import (
     RegionalCompileStrategy,
     RegionGraphBreakWarning,
     RegionNotCompiledWarning,
+    compile_regions,
     find_regions,
     region_report,
 )
@@ -391,10 +392,6 @@ def test_gpt2s_unset_loss_type_break_names_the_fix_and_the_fix_removes_it(loss_t
     # GPT2LMHeadModel's name holds no loss type, so transformers logs on every call
     # (warning_once) and dynamo breaks the graph there: compiled whole (nested), the
     # break is real, as under plain torch.compile; setting loss_type removes it.
-    from helpers import gpt2
-
-    from lightning_regions import compile_regions
-
     model = gpt2()
     if loss_type:
         model.loss_type = loss_type
