@@ -400,25 +400,35 @@ def test_inductor_nested_equals_eager():
 
 
 class TanhBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(8, 8)
+        self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.proj(x))
 
 
+#: The canary's width, and its batch x positions. Without the LayerNorm, torch's plan
+#: writes the first Linear's weight gradient (width x width) over the blocks' input
+#: gradient while that matmul still reads it, so the numbers are the BLAS's doing: at
+#: width 8 this machine's MKL gets them wrong, and a BLAS that reads a small input whole
+#: before writing gets them right (CI's machine of 2026-12-02, torch 2.11). At 1024 the
+#: matmul's inner dimension spans more than one K block of the BLASes we know (256 to 512
+#: floats), so part of the input is read after the output's first write on every one.
+CANARY_WIDTH = 1024
+
+
 class CanaryModel(nn.Module):
     """A Linear, 3 nested ``TanhBlock`` s, an optional LayerNorm and a Linear head: the
-    smallest shapes found that still show torch's wrong nested-region gradients on each
-    torch of CI (``compat.NESTED_BACKWARD_BUFFER_REUSE`` has the measurements)."""
+    shapes found to show torch's wrong nested-region gradients on each torch of CI
+    (``compat.NESTED_BACKWARD_BUFFER_REUSE`` has the measurements)."""
 
-    def __init__(self, norm: bool) -> None:
+    def __init__(self, norm: bool, width: int = CANARY_WIDTH) -> None:
         super().__init__()
-        self.inp = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(TanhBlock() for _ in range(3))
-        self.norm = nn.LayerNorm(8) if norm else nn.Identity()
-        self.out = nn.Linear(8, 16)
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(TanhBlock(width) for _ in range(3))
+        self.norm = nn.LayerNorm(width) if norm else nn.Identity()
+        self.out = nn.Linear(width, 2 * width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -428,19 +438,20 @@ class CanaryModel(nn.Module):
 
 
 def nested_gradient_error(norm: bool, options: dict | None) -> float:
-    """Largest gradient difference from eager of ``CanaryModel`` with its blocks marked as
-    nested regions by hand and compiled whole by inductor with ``options``."""
+    """Largest gradient difference from eager of ``CanaryModel``, relative to the largest
+    eager gradient of the same parameter, with its blocks marked as nested regions by hand
+    and compiled whole by inductor with ``options``."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = CanaryModel(norm)
     eager = copy.deepcopy(model)
     for block in model.blocks:
         mark_nested(block)
-    x = torch.randn(2, 4, 8)
+    x = torch.randn(2, CANARY_WIDTH // 2, CANARY_WIDTH)
     torch.compile(model, options=options)(x).square().mean().backward()
     eager(x).square().mean().backward()
     return max(
-        (p.grad - q.grad).abs().max().item()
+        ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
         for p, q in zip(model.parameters(), eager.parameters(), strict=True)
     )
 
@@ -454,5 +465,5 @@ def test_torch_still_needs_buffer_reuse_off_for_nested_regions():
     assert compat.NESTED_BACKWARD_BUFFER_REUSE.applies and NESTED_INDUCTOR_OPTIONS
     torchs = {norm: nested_gradient_error(norm, None) for norm in (True, False)}
     ours = {norm: nested_gradient_error(norm, NESTED_INDUCTOR_OPTIONS) for norm in (True, False)}
-    assert max(torchs.values()) > 1e-2, f"torch {torch.__version__} is right now: {torchs}"
-    assert max(ours.values()) < 1e-6, ours
+    assert max(torchs.values()) > 1e-1, f"torch {torch.__version__} is right now: {torchs}"
+    assert max(ours.values()) < 1e-5, ours
