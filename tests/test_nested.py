@@ -423,8 +423,9 @@ class CanaryModel(nn.Module):
     shapes found to show torch's wrong nested-region gradients on each torch of CI
     (``compat.NESTED_BACKWARD_BUFFER_REUSE`` has the measurements)."""
 
-    def __init__(self, norm: bool, width: int = CANARY_WIDTH) -> None:
+    def __init__(self, norm: bool) -> None:
         super().__init__()
+        width = CANARY_WIDTH
         self.inp = nn.Linear(width, width)
         self.blocks = nn.ModuleList(TanhBlock(width) for _ in range(3))
         self.norm = nn.LayerNorm(width) if norm else nn.Identity()
