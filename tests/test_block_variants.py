@@ -18,7 +18,6 @@ block's first child (a compiled block inlines it; an eager one calls it as Pytho
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from typing import Any
 
@@ -137,12 +136,10 @@ def token_lengths(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def fit(module: Classifier, strategy: Any, data: list) -> float:
-    start = time.perf_counter()
+def fit(module: Classifier, strategy: Any, data: list) -> None:
     trainer(None, strategy, len(data)).fit(
         module, torch.utils.data.DataLoader(data, batch_size=None)
     )
-    return time.perf_counter() - start
 
 
 def ours_and_plain(build, block_classes, data, **options) -> tuple[Classifier, Classifier]:
@@ -174,18 +171,19 @@ def test_cnn_blocks_in_many_variants_all_compile(build, block_class, variants):
     assert plain.eager_calls > 0  # the counter counts
 
 
-def test_swin_v2_stages_compile_static_and_start_within_twice_whole_model_compile():
+def test_swin_v2_stages_compile_static_one_graph_each():
+    """Swin V2's 4 stages differ in width and depth (4 variants), each its own compiled
+    entry: one static graph each. Sharing one entry, a later stage recompiled the first
+    stage's graph with symbolic sizes, and the first step spent 160-180 s in torch's
+    symbolic-shape solver instead of 12-14 s (measured when the entries were made): that
+    recompile is the cause, so none may happen. The time itself is a benchmark's to show."""
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ours, _ = ours_and_plain(swin_v2, ("Swinv2Stage",), images())
-    assert ours.eager_calls == 0 and not region_report(ours).ran_eager
-    torch._dynamo.reset()
-    ours_first = Classifier(swin_v2, ("Swinv2Stage",), images()[:1])
-    ours_s = fit(ours_first, RegionalCompileStrategy(backend="aot_eager"), images()[:1])
-    torch._dynamo.reset()
-    whole = Classifier(swin_v2, ("Swinv2Stage",), images()[:1])
-    whole.model.compile(backend="aot_eager")
-    whole_s = fit(whole, "auto", images()[:1])
-    print(f"Swin V2 first step: ours {ours_s:.1f} s, whole-model compile {whole_s:.1f} s")
-    assert ours_s <= 2 * whole_s
+    report = region_report(ours)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 4
+    assert report.graphs == 4
+    assert [(r.class_name, r.recompiles) for r in report.recompiles] == [("Swinv2Stage", 0)]
+    assert ours.eager_calls == 0 and not report.ran_eager
 
 
 def test_deberta_v2_compiles_its_twelve_layers_as_regions_in_one_graph():
