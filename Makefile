@@ -19,8 +19,13 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The suite on both cores of the CI machine: one file per worker at a time (so a file's
+# module fixtures are built once), the longest files first (tests/conftest.py).
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
 
 # The whole suite on another torch, in a venv of its own (.venv-torch-...), with the
 # project installed with its dependencies beside it:
@@ -33,10 +38,10 @@ TORCH_VENV := .venv-torch-$(TORCH)$(if $(LIGHTNING),-lightning-$(LIGHTNING))$(if
 
 test-torch:
 	bash .ci/venv $(TORCH_VENV) $(TORCH_PINS)
-	$(TORCH_VENV)/bin/pytest
+	$(TORCH_VENV)/bin/pytest $(PYTEST_PARALLEL)
 
 test-slow: install
-	$(VENV)/bin/pytest -m slow
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m slow
 
 demo: install
 	$(PY) examples/demo.py
