@@ -119,9 +119,10 @@ BUSY = "import time\nend = time.process_time() + {seconds}\nwhile time.process_t
 def test_cpu_time_counts_children_live_and_finished():
     clock = protocol.CpuClock()
     subprocess.run([sys.executable, "-c", BUSY.format(seconds=0.4)], check=True)  # finished
-    live = subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=0.4) + "\ntime.sleep(5)"])
+    spent_then_wait = BUSY.format(seconds=0.4) + "\nprint('spent', flush=True)\ntime.sleep(60)"
+    live = subprocess.Popen([sys.executable, "-c", spent_then_wait], stdout=subprocess.PIPE)
     try:
-        time.sleep(1.5)  # it has spent its CPU time and is still alive
+        assert live.stdout and live.stdout.readline() == b"spent\n"  # spent, still alive
         assert clock.seconds() >= 0.7
     finally:
         live.kill()
