@@ -88,3 +88,15 @@ def test_the_support_table_names_the_versions_ci_runs():
     }
     for name, versions in expected.items():
         assert versions and all(version in rows[name] for version in versions), name
+
+
+def test_the_benchmark_readme_names_every_script_make_bench_runs():
+    bench_target = (ROOT / "Makefile").read_text().split("\nbench:")[1].split("\n\n")[0]
+    scripts = set(re.findall(r"benchmarks/(\w+\.py)", bench_target))
+    listing = next(
+        line
+        for line in (ROOT / "benchmarks" / "README.md").read_text().splitlines()
+        if line.startswith("The scripts `make bench` runs")
+    )
+    assert len(scripts) > 5, scripts
+    assert [s for s in sorted(scripts) if f"`{s}`" not in listing] == []
