@@ -1,374 +1,343 @@
-"""Compile in the background: training starts at once with the regions eager, while a
-child process compiles them into torch's shared on-disk caches; at a step boundary the
-strategy compiles them in place, and that compile is a warm one.
+"""Compile in the background: the one home of the switch.
 
-- **Capture.** During the first training step a forward pre-hook on each distinct region
-  records its first call: the metadata of every tensor argument (shape, stride, dtype,
-  device, requires-grad), the plain values of the others, grad mode and autocast.
-- **Ship.** After the first optimizer step each region is copied with its parameters and
-  buffers on the ``meta`` device (the structure, no weights) and saved with the calls
-  and the compile arguments to a private folder; ``python -m
-  lightning_regions.background`` compiles them there: the same regions, by the same
-  plan, called in the same order with tensors of the same metadata, forward and
-  backward, into the same ``TORCHINDUCTOR_CACHE_DIR``.
-- **Switch.** At each optimizer step the strategy asks whether the child is done (under
-  DDP every rank agrees, so all switch at the same step); then it compiles the regions
-  in place as the default mode would, reading torch's FX-graph and AOTAutograd caches.
+Training starts with the regions eager while one child process in the whole job
+compiles them into torch's caches; at a step boundary where every process agrees, each
+compiles its regions in place by the same recipe, warm. The strategy makes a
+``BackgroundCompile`` at setup, calls ``at_step_boundary`` after each optimizer step
+until it says "compile now", and ``stop`` at teardown. Nothing else of the mode lives
+in the strategy.
 
-What cannot be shipped (a class defined in ``__main__`` or a function, an argument that
-is not a tensor or a plain value), a child that fails, and one that runs past
-``background_timeout_s`` are warned about once, naming the region or the cause; the
-regions then compile in the training process at that step boundary, as in the default
-mode. No child outlives the strategy's teardown (or its process).
+1. **Capture.** A forward pre-hook on each distinct region records its first call of
+   each kind (``shipment.CallKind``: training, or evaluation in the sanity check or a
+   validation loop), as metadata.
+2. **Ship** (global rank 0, from the first optimizer step on, whenever no child runs and
+   calls wait). The regions' structure on ``meta``, the calls and the recipe go to a
+   private folder (``shipment.pack``: ``cloudpickle``, so classes of a script, a notebook
+   or a function travel by value); ``python -m lightning_regions.background_child``
+   compiles and replays them there. A region that cannot be shipped is named once and
+   compiles in the training process at the switch; the rest still ship.
+3. **Agree.** At every optimizer step each process says whether it is ready (rank 0:
+   its child is done, failed or past ``background_timeout_s``; the others always), in
+   one all-reduce, so that every process switches at the same step and none waits on a
+   compile: until then they train eager.
+4. **Switch.** Rank 0 sends the child's cache artifacts, signed as in checkpoints
+   (``cache.sign_artifacts``), over the job's process group; every other process loads
+   them into its own cache (refused ones: one warning, and that process compiles
+   cold); then every process compiles in place and the next step reads the caches.
+
+A child that fails or runs past its limit is one ``BackgroundCompileWarning``, and the
+regions compile in the training process at that step boundary, as in the default mode.
+No child outlives ``stop`` (the strategy's teardown, also after an exception) or its
+training process.
 """
 
 from __future__ import annotations
 
 import atexit
-import copy
-import io
+import dataclasses
 import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 from torch import nn
 
-from .compat import dynamo_config, tree_flatten, tree_unflatten
+from .background_child import ARTIFACTS, LOG, RESULT, SHIPMENT
+from .cache import sign_artifacts, unpack_artifacts
+from .compat import cache_counts
+from .recipe import CompileRecipe
 from .regions import RegionPlan
+from .shipment import (
+    CallKind,
+    RegionCall,
+    Shipment,
+    Unshippable,
+    describe_call,
+    pack,
+    shippable_copies,
+)
 
 
 class BackgroundCompileWarning(UserWarning):
-    """The background compile could not run or finish; the regions compile in the
-    training process at a step boundary instead."""
+    """The background compile could not run or finish for some regions; they compile in
+    the training process at the switch instead."""
 
 
-#: Plain values an argument may be, shipped as they are.
-PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+class Processes(Protocol):
+    """What the mode needs of a strategy (Trainer's or Fabric's): who ships, and how
+    the processes agree and share."""
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
-class Unshippable(Exception):
-    """What keeps a region's call from being reproduced in another process."""
+@dataclass
+class Child:
+    """One background child process and its private folder."""
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor argument's metadata: what dynamo guards on, not its values."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-    requires_grad: bool
+    folder: tempfile.TemporaryDirectory[str]
+    process: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSpec:
-        return cls(
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.dtype,
-            str(tensor.device),
-            tensor.requires_grad,
-        )
-
-    def make(self) -> torch.Tensor:
-        made = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        if made.is_floating_point():
-            made.normal_()
-        else:
-            made.zero_()
-        return made.requires_grad_(self.requires_grad)
-
-
-@dataclass
-class RegionCall:
-    """One region's first call in training, as the child replays it."""
-
-    index: int  # the region's place in the plan
-    order: int  # when it was called, among the regions' first calls
-    args: Any  # the pytree of (args, kwargs) with TensorSpec leaves
-    grad_enabled: bool
-    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) turned on
-
-
-def describe_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``(args, kwargs)`` with every tensor as a ``TensorSpec``; raises ``Unshippable``
-    for a value that is neither a tensor nor plain."""
-    leaves, spec = tree_flatten((args, kwargs))
-    described: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            described.append(TensorSpec.of(leaf))
-        elif isinstance(leaf, PLAIN):
-            described.append(leaf)
-        else:
-            raise Unshippable(f"an argument of type {type(leaf).__name__}")
-    return tree_unflatten(described, spec)
-
-
-def made_call(described: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    leaves, spec = tree_flatten(described)
-    args, kwargs = tree_unflatten(
-        [leaf.make() if isinstance(leaf, TensorSpec) else leaf for leaf in leaves], spec
-    )
-    return args, kwargs
-
-
-def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    on = []
-    for device_type in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device_type):
-            on.append((device_type, torch.get_autocast_dtype(device_type)))
-    return tuple(on)
-
-
-def structural_copy(module: nn.Module) -> nn.Module:
-    """``module`` with its parameters and buffers on the ``meta`` device: what the child
-    needs to trace it, without its weights."""
-    memo: dict[int, Any] = {}
-    for param in module.parameters():
-        memo[id(param)] = nn.Parameter(
-            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
-        )
-    for buffer in module.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(module, memo)
-
-
-def check_shippable(module: nn.Module) -> None:
-    """Raise ``Unshippable`` for a region the child could not import or unpickle."""
-    cls = type(module)
-    for inner in module.modules():
-        owner = type(inner)
-        if owner.__module__ == "__main__" or "<locals>" in owner.__qualname__:
-            raise Unshippable(
-                f"{owner.__qualname__} is defined in {owner.__module__} (a script, a notebook "
-                "or a function), which another process cannot import"
-            )
-    try:
-        torch.save(module, io.BytesIO())
-    except Exception as error:  # pickling runs the user's code: any error means "cannot"
-        raise Unshippable(f"{cls.__name__} cannot be pickled: {error}") from error
-
-
-@dataclass
-class BackgroundCompile:
-    """One setup's background compile: capture, ship, poll, and clean up."""
-
-    timeout_s: float
-    plan: RegionPlan | None = None
-    calls: dict[int, RegionCall] = field(default_factory=dict)
-    hooks: list[Any] = field(default_factory=list)
-    process: subprocess.Popen[bytes] | None = None
-    folder: tempfile.TemporaryDirectory[str] | None = None
-    started: float = 0.0
-    failure: str = ""  # why the regions compile in the training process instead
-    steps_eager: int = 0  # optimizer steps that ran before the switch
-    switched: bool = False
-    child_seconds: float | None = None
-
-    def capture(self, plan: RegionPlan) -> None:
-        """Record each region's first training call from now on."""
-        self.plan = plan
-        order = itertools.count()
-        for index, region in enumerate(plan.regions):
-
-            def record(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
-                if index in self.calls or not module.training or self.failure:
-                    return
-                try:
-                    described = describe_call(args, kwargs)
-                except Unshippable as error:
-                    self.failure = f"{plan.regions[index].label}: {error}"
-                    return
-                self.calls[index] = RegionCall(
-                    index, next(order), described, torch.is_grad_enabled(), autocast_state()
-                )
-
-            self.hooks.append(region.module.register_forward_pre_hook(record, with_kwargs=True))
-
-    def _remove_hooks(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-
-    def ship(self, compile_options: dict[str, Any]) -> None:
-        """Start the child on what the first step recorded (or note why not)."""
-        self._remove_hooks()
-        assert self.plan is not None
-        if self.failure:
-            return
-        if len(self.calls) < len(self.plan.regions):
-            missing = [r.label for i, r in enumerate(self.plan.regions) if i not in self.calls]
-            self.failure = f"not called in the first training step: {', '.join(missing[:3])}"
-            return
-        try:
-            for region in self.plan.regions:
-                check_shippable(region.module)
-            copies = [structural_copy(region.module) for region in self.plan.regions]
-        except Unshippable as error:
-            self.failure = str(error)
-            return
-        self.folder = tempfile.TemporaryDirectory(prefix="lightning_regions_background_")
-        payload = Path(self.folder.name) / "payload.pt"
-        torch.save(
-            {
-                "regions": copies,
-                "class_names": sorted({region.class_name for region in self.plan.regions}),
-                "calls": [self.calls[index] for index in range(len(copies))],
-                "options": compile_options,
-                "unspec_ints": bool(dynamo_config().allow_unspec_int_on_nn_module),
-                "parent": os.getpid(),
-            },
-            payload,
-        )
+    def start(cls, shipment: bytes) -> Child:
+        folder = tempfile.TemporaryDirectory(prefix="lightning_regions_background_")
+        where = Path(folder.name)
+        (where / SHIPMENT).write_bytes(shipment)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-        with open(Path(self.folder.name) / "child.log", "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "lightning_regions.background", str(payload)],
+        with open(where / LOG, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "lightning_regions.background_child", str(where)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        self.started = time.perf_counter()
+        return cls(folder, process)
+
+    @property
+    def where(self) -> Path:
+        return Path(self.folder.name)
+
+    def result(self) -> dict[str, Any]:
+        """What the finished child reported; a child that reported nothing is named by
+        its exit status and the last line of its log."""
+        code = self.process.wait()
+        path = self.where / RESULT
+        done = json.loads(path.read_text()) if path.exists() else {}
+        if not done.get("ok") and not done.get("error"):
+            text = (self.where / LOG).read_text(errors="replace").strip().splitlines()
+            done = {"ok": False, "error": f"it exited with {code}: {(text or [''])[-1]}"}
+        return done
+
+    def artifacts(self) -> bytes | None:
+        path = self.where / ARTIFACTS
+        return path.read_bytes() if path.exists() else None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.folder.cleanup()
+
+
+@dataclass
+class Outcome:
+    """What rank 0 tells every process at the switch."""
+
+    failure: str = ""  # why the regions compile in the training process instead
+    unshipped: tuple[str, ...] = ()  # regions that compile there, each with its reason
+    artifacts: tuple[dict[str, Any], ...] = ()  # each child's, signed, for the others
+    child_seconds: float | None = None
+
+
+class BackgroundCompile:
+    """One setup's background compile: capture, ship, agree, switch, clean up."""
+
+    def __init__(
+        self,
+        plan: RegionPlan,
+        recipe: CompileRecipe,
+        timeout_s: float,
+        artifact_guard: dict[str, str],
+    ) -> None:
+        self.plan = plan
+        self.recipe = recipe
+        self.timeout_s = timeout_s
+        self.artifact_guard = artifact_guard
+        self.calls: dict[tuple[int, CallKind], RegionCall] = {}
+        self.shipped: set[tuple[int, CallKind]] = set()
+        self.unshipped: dict[int, str] = {}  # region index: why it cannot ship
+        self.failure = ""
+        self.child: Child | None = None
+        self.artifacts: list[bytes] = []  # what each finished child compiled
+        self.pids: list[int] = []  # every child this process started
+        self.child_seconds: float | None = None
+        self.outcome: Outcome | None = None
+        self.steps_eager = 0  # optimizer steps that ran before the switch
+        self.switched = False
+        self.switched_at: float | None = None  # seconds from setup to the switch
+        self.created = time.perf_counter()
+        #: torch's cache counters when the regions compiled in place (``compat.cache_counts``).
+        self.counts_at_switch: dict[str, int] = {}
+        self._order = itertools.count()
+        self._hooks = [
+            region.module.register_forward_pre_hook(self._recorder(index), with_kwargs=True)
+            for index, region in enumerate(plan.regions)
+        ]
         atexit.register(self.stop)  # Fabric has no teardown: at the latest, at exit
 
-    def ready(self) -> bool:
-        """Whether this process can switch now: the child finished (well or not), ran
-        past the limit, or never started."""
+    # --- capture ------------------------------------------------------------------------
+
+    def _recorder(self, index: int) -> Any:
+        def record(module: nn.Module, args: Any, kwargs: Any) -> None:
+            key = (index, CallKind.now(module))
+            if key in self.calls or index in self.unshipped:
+                return
+            try:
+                described = describe_call(args, kwargs)
+            except Unshippable as error:
+                self.unshipped[index] = str(error)
+                return
+            self.calls[key] = RegionCall(index, next(self._order), key[1], described)
+
+        return record
+
+    # --- the step boundary --------------------------------------------------------------
+
+    def at_step_boundary(self, processes: Processes) -> bool:
+        """After an optimizer step: ship or poll (rank 0), agree, and at the switch share
+        the outcome. True when the regions are to compile in place now."""
         if self.switched:
-            return True
-        if self.process is None:
-            return True
-        code = self.process.poll()
-        if code is None:
-            if time.perf_counter() - self.started <= self.timeout_s:
-                return False
-            self.failure = f"still compiling after background_timeout_s={self.timeout_s:g}"
-            self.stop()
-            return True
-        result = Path(self.folder.name) / "result.json" if self.folder else None
-        done = json.loads(result.read_text()) if result and result.exists() else {}
-        if code != 0 or not done.get("ok"):
-            tail = ""
-            if self.folder:
-                text = (Path(self.folder.name) / "child.log").read_text(errors="replace")
-                tail = (text.strip().splitlines() or [""])[-1]
-            self.failure = done.get("error") or f"the child exited with {code}: {tail}"
-        self.child_seconds = done.get("seconds")
-        self.process = None
+            return False
+        self.steps_eager += 1
+        ready = self._advance() if processes.is_global_zero else True
+        if not processes.reduce_boolean_decision(ready, all=True):
+            return False
+        outcome = self._outcome(processes) if processes.is_global_zero else None
+        self.outcome = outcome = processes.broadcast(outcome, src=0)
+        assert outcome is not None
+        if not processes.is_global_zero:
+            for artifacts in outcome.artifacts:
+                if not unpack_artifacts(artifacts, self.artifact_guard):
+                    break  # refused: one warning, and this process compiles cold
+        self.child_seconds = outcome.child_seconds
+        self.switched = True
+        self.switched_at = time.perf_counter() - self.created
+        self.counts_at_switch = cache_counts()
+        self.stop()
+        self._warn(outcome)
         return True
 
-    def warn_if_failed(self) -> None:
+    def _advance(self) -> bool:
+        """Rank 0: poll the child; ship what waits. True when nothing is left to do."""
+        if self.child is not None:
+            if self.child.process.poll() is None:
+                if time.perf_counter() - self.child.started <= self.timeout_s:
+                    return False
+                self.failure = f"still compiling after background_timeout_s={self.timeout_s:g}"
+                return True
+            done = self.child.result()
+            if not done.get("ok"):
+                self.failure = str(done.get("error"))
+                return True
+            self.child_seconds = (self.child_seconds or 0.0) + float(done.get("seconds", 0.0))
+            saved = self.child.artifacts()
+            if saved is not None:
+                self.artifacts.append(saved)
+            self.child.stop()
+            self.child = None
         if self.failure:
+            return True
+        waiting = [key for key in self.calls if key not in self.shipped]
+        if not waiting:
+            return True
+        self._ship(waiting)
+        return self.child is None
+
+    def _ship(self, keys: list[tuple[int, CallKind]]) -> None:
+        """Start a child on the calls under ``keys`` (or note why not)."""
+        self.shipped.update(keys)
+        copies, refused = shippable_copies([region.module for region in self.plan.regions])
+        self.unshipped.update(refused)
+        place = {index: place for place, index in enumerate(copies)}  # in the shipment
+        calls = [
+            dataclasses.replace(self.calls[key], index=place[key[0]])
+            for key in keys
+            if key[0] in place
+        ]
+        if not calls:
+            return
+        try:
+            payload = pack(Shipment(list(copies.values()), calls, self.recipe))
+        except Unshippable as error:
+            self.failure = str(error)
+            return
+        self.child = Child.start(payload)
+        self.pids.append(self.child.process.pid)
+
+    def _outcome(self, processes: Processes) -> Outcome:
+        unshipped = tuple(
+            f"{self.plan.regions[index].label}: {why}" for index, why in self.unshipped.items()
+        )
+        artifacts: tuple[dict[str, Any], ...] = ()
+        if not self.failure and _several(processes):
+            artifacts = tuple(sign_artifacts(self.artifact_guard, a) for a in self.artifacts)
+        return Outcome(self.failure, unshipped, artifacts, self.child_seconds)
+
+    def _warn(self, outcome: Outcome) -> None:
+        if outcome.failure:
             warnings.warn(
-                f"Background compile did not run: {self.failure}. The regions compile in "
-                "the training process now, at this step boundary, as in the default mode.",
+                f"Background compile did not finish: {outcome.failure}. The regions compile "
+                f"in the training process now, after {self.steps_eager} eager step(s), as "
+                "in the default mode.",
                 BackgroundCompileWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+        elif outcome.unshipped:
+            warnings.warn(
+                "Background compile could not ship "
+                f"{len(outcome.unshipped)} region(s): {'; '.join(outcome.unshipped)}. "
+                f"They compile in the training process now, after {self.steps_eager} eager "
+                "step(s); the others compiled in the background.",
+                BackgroundCompileWarning,
+                stacklevel=4,
+            )
+
+    # --- what happened -----------------------------------------------------------------
+
+    def summary(self) -> str:
+        """One line: when the switch came, after how many eager steps, and what torch's
+        caches gave since (call it after the first compiled step)."""
+        if not self.switched:
+            return (
+                f"regional compile: the run ended before the background compile switched; "
+                f"{self.steps_eager} step(s) ran eager"
+            )
+        outcome = self.outcome or Outcome()
+        if outcome.failure:
+            how = f"the child failed ({outcome.failure}), so they compiled in this process"
+        elif self.child_seconds is None:
+            how = "no region could be shipped, so they compiled in this process"
+        else:
+            how = f"the child compiled for {self.child_seconds:.1f}s"
+            if outcome.unshipped:
+                how += f"; {len(outcome.unshipped)} region(s) that could not ship compiled here"
+        now = cache_counts()
+        since = {name: now[name] - self.counts_at_switch.get(name, 0) for name in now}
+        counts = ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in since.items() if n)
+        return (
+            f"regional compile: background switch at step {self.steps_eager + 1} "
+            f"({self.switched_at or 0.0:.1f}s after setup) after {self.steps_eager} eager "
+            f"step(s); {how}" + (f"; torch's caches at the switch: {counts}" if counts else "")
+        )
 
     def stop(self) -> None:
         """End the child, if any, and remove the hooks and the folder."""
-        self._remove_hooks()
-        if self.process is not None:
-            if self.process.poll() is None:
-                self.process.kill()
-            self.process.wait()
-            self.process = None
-        if self.folder is not None:
-            self.folder.cleanup()
-            self.folder = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.child is not None:
+            self.child.stop()
+            self.child = None
         atexit.unregister(self.stop)
 
-
-def compile_shipped(payload: Path) -> dict[str, Any]:
-    """In the child: compile what the training process shipped, into torch's caches."""
-    from .compile import compile_regions
-
-    shipped = torch.load(payload, weights_only=False)
-    _watch_parent(shipped["parent"])
-    dynamo_config().allow_unspec_int_on_nn_module = shipped["unspec_ints"]
-    regions: list[nn.Module] = shipped["regions"]
-    for region, call in zip(regions, shipped["calls"], strict=True):
-        device = _device_of(call)
-        region.to_empty(device=device)
-    holder = nn.Module()
-    holder.regions = nn.ModuleList(regions)
-    options = dict(shipped["options"])
-    compile_regions(
-        holder,
-        inplace=True,
-        regions=shipped["class_names"],
-        observe_calls=None,  # as the strategies observe: the same call path
-        root_is_called=True,
-        **options,
-    )
-    start = time.perf_counter()
-    for call in sorted(shipped["calls"], key=lambda call: call.order):
-        args, kwargs = made_call(call.args)
-        with torch.set_grad_enabled(call.grad_enabled), _autocast(call.autocast):
-            output = regions[call.index](*args, **kwargs)
-        leaves = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if leaves:
-            sum(t.float().sum() for t in leaves).backward()  # type: ignore[union-attr]
-    return {"ok": True, "seconds": time.perf_counter() - start}
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The running child, if any."""
+        return None if self.child is None else self.child.process
 
 
-def _device_of(call: RegionCall) -> str:
-    leaves = [leaf for leaf in tree_flatten(call.args)[0] if isinstance(leaf, TensorSpec)]
-    return leaves[0].device if leaves else "cpu"
-
-
-class _autocast:
-    def __init__(self, state: tuple[tuple[str, torch.dtype], ...]) -> None:
-        self.contexts = [torch.autocast(device, dtype=dtype) for device, dtype in state]
-
-    def __enter__(self) -> None:
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)
-
-
-def _watch_parent(parent: int) -> None:
-    """End this child when the training process is gone."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def main(payload: str) -> int:
-    path = Path(payload)
-    try:
-        result = compile_shipped(path)
-    except BaseException as error:  # report everything to the training process
-        result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
-    (path.parent / "result.json").write_text(json.dumps(result))
-    return 0 if result.get("ok") else 1
-
-
-if __name__ == "__main__":
-    # run as the package's module, so the shipped objects' classes are this module's
-    from lightning_regions.background import main as shipped_main
-
-    sys.exit(shipped_main(sys.argv[1]))
+def _several(processes: Processes) -> bool:
+    return int(getattr(processes, "world_size", 1)) > 1

@@ -276,7 +276,12 @@ def pack_artifacts(guard: dict[str, str]) -> dict[str, Any] | None:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
-    artifacts, _info = saved
+    return sign_artifacts(guard, saved[0])
+
+
+def sign_artifacts(guard: dict[str, str], artifacts: bytes) -> dict[str, Any]:
+    """``artifacts`` (torch's serialized compile artifacts) with ``guard`` and this user's
+    signature over both: what ``unpack_artifacts`` loads."""
     return {"guard": guard, "artifacts": artifacts, "signature": sign(guard, artifacts)}
 
 

@@ -64,6 +64,10 @@ PRIVATE_APIS = (
     ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
     ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
     ("torch._dynamo.config", "recompile_limit", "warning of recompiles before the limit"),
+    ("torch._dynamo.config", "save_config_portable", "the background child's dynamo settings"),
+    ("torch._dynamo.config", "load_config", "the background child's dynamo settings"),
+    ("torch._inductor.config", "save_config_portable", "the background child's inductor settings"),
+    ("torch._inductor.config", "load_config", "the background child's inductor settings"),
     ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "FSDP2 groups' mesh sizes"),
     ("torch.nn", "Module._call_impl", "calling a module past its compiled call"),
     ("torch.utils._pytree", "tree_flatten", "shipping a region's example inputs"),
@@ -120,6 +124,7 @@ from torch._dynamo import exc as _dynamo_exc  # noqa: E402
 from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
 from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
 from torch._dynamo.utils import get_compilation_metrics  # noqa: E402
+from torch._inductor import config as inductor_config  # noqa: E402
 from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir  # noqa: E402
 from torch._inductor.runtime.cache_dir_utils import (  # noqa: E402
     default_cache_dir as default_inductor_cache_dir,
@@ -292,6 +297,46 @@ def registered_artifact_types() -> set[str]:
 def dynamo_config() -> Any:
     """``torch._dynamo.config``, the module whose flags we read and set."""
     return torch._dynamo.config
+
+
+def compile_settings() -> dict[str, dict[str, Any]]:
+    """dynamo's and inductor's settings in effect, as inductor's cache key reads them
+    (``save_config_portable``: without the settings that are this process's own, such
+    as the compile threads or the cache switches)."""
+    return {
+        "dynamo": torch._dynamo.config.save_config_portable(),
+        "inductor": inductor_config.save_config_portable(),
+    }
+
+
+def load_compile_settings(settings: dict[str, dict[str, Any]]) -> None:
+    """Make ``compile_settings()``'s result this process's settings (only those that
+    differ are set: setting a deprecated one warns)."""
+    for config, saved in (
+        (torch._dynamo.config, settings["dynamo"]),
+        (inductor_config, settings["inductor"]),
+    ):
+        current = config.save_config_portable()
+        changed = {k: v for k, v in saved.items() if k not in current or current[k] != v}
+        if changed:
+            config.load_config(changed)
+
+
+#: torch's counters of its compile caches, by the names ``cache_counts`` gives them.
+CACHE_COUNTERS = {
+    "fx_graph_hits": ("inductor", "fxgraph_cache_hit"),
+    "fx_graph_misses": ("inductor", "fxgraph_cache_miss"),
+    "aot_autograd_hits": ("aot_autograd", "autograd_cache_hit"),
+    "aot_autograd_misses": ("aot_autograd", "autograd_cache_miss"),
+}
+
+
+def cache_counts() -> dict[str, int]:
+    """This process's FX-graph and AOTAutograd cache hits and misses so far."""
+    return {
+        name: int(dynamo_counters[group][counter])
+        for name, (group, counter) in CACHE_COUNTERS.items()
+    }
 
 
 def recompile_limit() -> int:

@@ -59,12 +59,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
         if self._module is not None:
             # Fabric's loop is the user's: the phase is what ran since the last step.
             phase = "the calls since the last optimizer step"
-            self.at_step_boundary(self._module, self.all_ready, phase)
+            self.at_step_boundary(self._module, phase)
         return output
-
-    def all_ready(self, ready: bool) -> bool:
-        """True when every process is ready (one all-reduce; itself on one device)."""
-        return bool(self.reduce_boolean_decision(ready, all=True))
 
     @override
     def teardown(self) -> None:

@@ -8,7 +8,6 @@ in-place compilation changes nothing those later steps see but the forward.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -18,16 +17,18 @@ from lightning.pytorch.strategies import (
     Strategy,
     StrategyRegistry,
 )
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from .background import BackgroundCompile
 from .cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
 from .compat import OptimizedModule, compiled_by_torch_compile_context, compiled_call
-from .compile import compile_regions
+from .compile import tracker_of
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
 from .options import RegionalOptions, split_options, takes_options
+from .recipe import CompileRecipe
 from .regions import RegionPlan, find_regions
 from .report import region_report
 
@@ -38,10 +39,7 @@ class RegionalCompileBase:
     (``cache.CompileCache``), the training compile environment
     (``environment.CompileEnvironment``) and the first-step reporter
     (``first_step.FirstStepReporter``); with ``compile_in_background``, a fourth:
-    ``background.BackgroundCompile``, made at each setup."""
-
-    #: Options this strategy cannot use (set by ``options.takes_options``).
-    excluded_options: tuple[str, ...] = ()
+    ``background.BackgroundCompile``, made at each setup that trains."""
 
     def _init_regional(self, options: RegionalOptions) -> None:
         self.options = options
@@ -51,7 +49,8 @@ class RegionalCompileBase:
         )
         self.reporter = FirstStepReporter(options.recompile_warn_threshold)
         self.background: BackgroundCompile | None = None
-        self._pending: tuple[Any, bool] | None = None  # (module, root_is_called) to compile
+        #: What the background switch compiles: (module, root_is_called, plan, recipe).
+        self._compile_at_switch: tuple[Any, bool, RegionPlan, CompileRecipe] | None = None
 
     @property
     def compile_kwargs(self) -> dict[str, Any]:
@@ -63,77 +62,79 @@ class RegionalCompileBase:
         """The folder passed as ``cache_dir``, or None for torch's own compile cache."""
         return self.compile_cache.chosen
 
+    def artifact_guard(self) -> dict[str, str]:
+        """What compile artifacts made here must match to be loaded elsewhere."""
+        device = self.root_device  # type: ignore[attr-defined]
+        device_type = device.type
+        if device_type == "cuda":  # kernels are built for one GPU model: name it
+            device_type = f"cuda ({torch.cuda.get_device_name(device)})"
+        return artifact_guard(device_type, self.compile_kwargs)
+
     def leave_parts(self) -> None:
         """Leave what setup entered: the background compile, the compile cache and the
         compile environment."""
         if self.background is not None:
+            if not self.background.switched and self._compile_at_switch is not None:
+                rank_zero_info(self.background.summary())
             self.background.stop()
+            self._compile_at_switch = None
         self.compile_cache.exit()
         self.environment.exit()
+
+    def trains_here(self) -> bool:
+        """Whether this setup runs optimizer steps, at whose boundaries the background
+        compile can switch (the Trainer's ``fit``; Fabric's loop always may)."""
+        return True
 
     def compile_in_place(
         self, module: Any, root_is_called: bool, plan: RegionPlan | None = None
     ) -> None:
         """Compile ``module``'s regions in place (by ``plan`` when given) and log them;
-        with ``compile_in_background``, start capturing their first calls instead."""
+        with ``compile_in_background`` in a setup that trains, start the background
+        compile instead (``background.BackgroundCompile``)."""
         _refuse_whole_model_compile(module)
         self.compile_cache.enter()
         self.environment.enter(module)
-        if self.options.compile_in_background:
-            if self.background is not None:
-                self.background.stop()
-            plan = plan or find_regions(module, self.options.regions, root_is_called=root_is_called)
-            self.background = BackgroundCompile(self.options.background_timeout_s)
-            self.background.capture(plan)
-            self._pending = (module, root_is_called)
+        recipe = CompileRecipe(self.options)  # after the environment set torch's flags
+        if self.background is not None:
+            self.background.stop()
+            self.background = None
+        if self.options.compile_in_background and not self.trains_here():
             rank_zero_info(
-                f"regional compile: {len(plan.regions)} region(s) run eager while a child "
+                "regional compile: compile_in_background switches at optimizer steps, and "
+                "this run has none (validate, test or predict): the regions compile now"
+            )
+        elif self.options.compile_in_background and tracker_of(module) is None:
+            plan = plan or find_regions(module, self.options.regions, root_is_called=root_is_called)
+            self.background = BackgroundCompile(
+                plan, recipe, self.options.background_timeout_s, self.artifact_guard()
+            )
+            self._compile_at_switch = (module, root_is_called, plan, recipe)
+            rank_zero_info(
+                f"regional compile: {len(plan.regions)} region(s) run eager while one child "
                 "process compiles them (compile_in_background=True)"
             )
             return
-        self._compile_now(module, root_is_called, plan)
+        self._compile_now(module, root_is_called, plan, recipe)
 
-    def at_step_boundary(self, module: Any, agree: Any, phase: str = "training") -> None:
-        """After an optimizer step: in the background mode, ship the first step's calls,
-        or switch when the child is done (``agree``: every process's readiness, so all
-        switch at the same step); then report as the default mode does."""
-        background = self.background
-        if background is not None and not background.switched and self._pending is not None:
-            background.steps_eager += 1
-            if background.steps_eager == 1:
-                background.ship(self.options.compile_kwargs | self._compile_options())
-            if not agree(background.ready()):
-                return
-            background.warn_if_failed()
-            background.switched = True
-            waited = time.perf_counter() - background.started if background.started else 0.0
-            rank_zero_info(
-                f"regional compile: background compile done after {background.steps_eager} "
-                f"eager step(s) ({waited:.1f}s); the regions compile in place from now on"
-            )
-            module_, root_is_called = self._pending
-            self._pending = None
-            self._compile_now(module_, root_is_called, background.plan)
-            background.stop()
+    def at_step_boundary(self, module: Any, phase: str = "training") -> None:
+        """After an optimizer step: until the background switch, its step boundary
+        (which may compile the regions now); then report as the default mode does."""
+        if self.background is not None and self._compile_at_switch is not None:
+            if self.background.at_step_boundary(self):  # type: ignore[arg-type]
+                module_, root_is_called, plan, recipe = self._compile_at_switch
+                self._compile_at_switch = None
+                self._compile_now(module_, root_is_called, plan, recipe)
             return
+        first = not self.reporter.reported
         self.reporter.after_optimizer_step(module, phase)
+        if first and self.background is not None and self.background.switched:
+            rank_zero_info(self.background.summary())
 
-    def _compile_options(self) -> dict[str, Any]:
-        """What ``compile_regions`` gets besides ``torch.compile``'s arguments."""
-        return {"on_compile_error": self.options.on_compile_error}
-
-    def _compile_now(self, module: Any, root_is_called: bool, plan: RegionPlan | None) -> None:
-        compile_regions(
-            module,
-            inplace=True,
-            regions=self.options.regions,
-            on_compile_error=self.options.on_compile_error,
-            observe_calls=None,  # until the first optimizer step is reported
-            root_is_called=root_is_called,
-            plan=plan,
-            granularity=self.options.granularity,
-            **self.options.compile_kwargs,
-        )
+    def _compile_now(
+        self, module: Any, root_is_called: bool, plan: RegionPlan | None, recipe: CompileRecipe
+    ) -> None:
+        recipe.compile(module, plan, root_is_called)
         rank_zero_info(f"{region_report(module)}")
         self.reporter.enter()
 
@@ -162,13 +163,6 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
         if module is None:
             raise RuntimeError(f"{type(self).__name__}: no LightningModule is attached yet.")
         return module
-
-    def artifact_guard(self) -> dict[str, str]:
-        device = self.root_device
-        device_type = device.type
-        if device_type == "cuda":  # kernels are built for one GPU model: name it
-            device_type = f"cuda ({torch.cuda.get_device_name(device)})"
-        return artifact_guard(device_type, self.compile_kwargs)
 
     @override
     def setup_environment(self) -> None:
@@ -219,12 +213,13 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)
-        self.at_step_boundary(self.lightning_module, self.all_ready)
+        self.at_step_boundary(self.lightning_module)
         return output
 
-    def all_ready(self, ready: bool) -> bool:
-        """True when every process is ready (one all-reduce; itself on one device)."""
-        return bool(self.reduce_boolean_decision(ready, all=True))
+    @override
+    def trains_here(self) -> bool:
+        trainer = self.attached_trainer()
+        return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
     @override
     def on_validation_end(self) -> None:

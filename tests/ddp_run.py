@@ -54,6 +54,7 @@ def main(mode: str, out: Path) -> None:
         payload["steps_eager"] = background.steps_eager
         payload["switched"] = background.switched and not background.failure
         payload["child_left"] = background.process is not None
+        payload["children"] = len(background.pids)
     if mode == "nested":
         rows = region_report(model).nested
         payload["nested_calls"] = sum(row.nested_calls for row in rows)

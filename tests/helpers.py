@@ -68,21 +68,50 @@ class SeenCacheDir(pl.Callback):
 
 class WaitForTheSwitch(pl.Callback):
     """Slow the eager steps of ``compile_in_background=True`` down until the regions
-    switched, so the switch comes within a short run on a loaded machine; records the
-    child's pid while it runs."""
+    switched, so the switch comes within a short run on a loaded machine; record every
+    child's pid, and torch's cache counters over the first compiled step and the first
+    validation after the switch (``hits_misses``); with ``after``, stop that many
+    steps after the switch."""
 
-    def __init__(self, seconds: float = 0.1) -> None:
+    def __init__(self, seconds: float = 0.1, after: int | None = None) -> None:
         self.seconds = seconds
+        self.after = after
         self.pids: list[int] = []
+        self.counts: dict[str, dict[str, int]] = {}  # "training", "validation": since switch
+        self.switch_step: int | None = None
+        self._before: dict[str, int] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        from lightning_regions.compat import cache_counts
+
         background = trainer.strategy.background
         if background is None:
             return
-        if background.process is not None:
-            self.pids.append(background.process.pid)
+        self.pids = list(dict.fromkeys([*self.pids, *background.pids]))
         if not background.switched:
             time.sleep(self.seconds)
+            return
+        if self.switch_step is None:  # switched in this step's optimizer step
+            self.switch_step = trainer.global_step
+        elif "training" not in self.counts:  # the first compiled step
+            self.counts["training"] = _since(background.counts_at_switch, cache_counts())
+        if self.after is not None and trainer.global_step >= self.switch_step + self.after:
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer: pl.Trainer, *args: object) -> None:
+        from lightning_regions.compat import cache_counts
+
+        self._before = cache_counts()
+
+    def on_validation_end(self, trainer: pl.Trainer, *args: object) -> None:
+        from lightning_regions.compat import cache_counts
+
+        if self.switch_step is not None and "validation" not in self.counts:
+            self.counts["validation"] = _since(self._before, cache_counts())
+
+
+def _since(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    return {name: now[name] - before.get(name, 0) for name in now}
 
 
 # --- the tiny GPT -----------------------------------------------------------------------

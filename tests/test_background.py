@@ -1,13 +1,18 @@
-"""``compile_in_background=True``: training starts eager while a child process compiles the
-regions, and switches to them at a step boundary; what cannot be shipped, a child that
-fails and one past its limit warn once and leave training running; no child outlives the
-Trainer, an exception in ``fit`` included. Real Trainer, real child processes, losses
-compared with plain Lightning (2-process DDP: ``test_ddp.py``)."""
+"""``compile_in_background=True``: training starts eager while one child process compiles
+the regions, and switches to them at a step boundary; classes defined in a function ship
+by value; what cannot be shipped, a child that fails and one past its limit warn once and
+leave training running; no child outlives the Trainer, an exception in ``fit`` included;
+``validate`` and ``predict`` alone compile at their start. Real Trainer, real child
+processes, losses compared with plain Lightning (the real inductor backend:
+``test_background_inductor.py``; 2-process DDP: ``test_ddp.py``)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -39,8 +44,8 @@ def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStr
     trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours_model, data())
     trainer(tmp_path, "auto", STEPS).fit(plain_model, data())
     assert ours_model.losses == pytest.approx(plain_model.losses, rel=1e-5)
-    assert not any(is_running(pid) for pid in wait.pids)  # no child outlives the Trainer
-    assert strategy.background.process is None and strategy.background.folder is None
+    assert wait.pids and not any(map(is_running, wait.pids))  # no child outlives the Trainer
+    assert strategy.background.process is None
     return strategy
 
 
@@ -61,8 +66,8 @@ def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
     assert ours.model.blocks[0]._compiled_call_impl is not None
 
 
-def test_a_region_that_cannot_be_shipped_warns_once_and_compiles_in_process(tmp_path):
-    class LocalBlock(nn.Module):  # defined in a function: no other process can import it
+def test_classes_defined_in_a_function_ship_by_value(tmp_path):
+    class LocalBlock(nn.Module):  # no other process can import it: it travels by value
         def __init__(self) -> None:
             super().__init__()
             self.proj = nn.Linear(8, 8)
@@ -70,15 +75,42 @@ def test_a_region_that_cannot_be_shipped_warns_once_and_compiles_in_process(tmp_
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + self.proj(x).tanh()
 
-    loader = vectors()
     ours, plain = (seeded_stack(lambda: [LocalBlock() for _ in range(3)]) for _ in range(2))
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
-    with pytest.warns(BackgroundCompileWarning, match="LocalBlock is defined in") as caught:
-        trainer(tmp_path, strategy, 6).fit(ours, loader)
-    assert sum(issubclass(w.category, BackgroundCompileWarning) for w in caught) == 1
-    trainer(tmp_path, "auto", 6).fit(plain, loader)
+    wait = WaitForTheSwitch(after=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BackgroundCompileWarning)
+        trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours, vectors())
+    trainer(tmp_path, "auto", len(ours.losses)).fit(plain, vectors())
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
+    background = strategy.background
+    assert background.switched and background.outcome.failure == "" and len(wait.pids) == 1
+    assert background.child_seconds is not None and not region_report(ours).ran_eager
+
+
+class LockedBlock(nn.Module):
+    """A block holding a lock: no pickler can copy it to another process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(x).tanh()
+
+
+def test_a_region_that_cannot_be_shipped_warns_once_and_compiles_in_process(tmp_path):
+    ours, plain = (seeded_stack(lambda: [LockedBlock() for _ in range(3)]) for _ in range(2))
+    strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
+    with pytest.warns(BackgroundCompileWarning, match="cannot pickle '_thread.lock'") as caught:
+        trainer(tmp_path, strategy, 6).fit(ours, vectors())
+    warned = [w for w in caught if issubclass(w.category, BackgroundCompileWarning)]
+    assert len(warned) == 1 and "LockedBlock at blocks.0" in str(warned[0].message)
+    trainer(tmp_path, "auto", 6).fit(plain, vectors())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
     assert strategy.background.steps_eager == 1  # switched at the first step boundary
+    assert strategy.background.pids == []  # nothing to ship: no child
     assert not region_report(ours).ran_eager
 
 
@@ -109,7 +141,7 @@ def test_a_failed_background_compile_warns_once_and_training_goes_on(tmp_path):
     trainer(tmp_path, "auto", STEPS).fit(plain, vectors())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
     assert strategy.background.switched and strategy.background.process is None
-    assert wait.pids and not any(is_running(pid) for pid in wait.pids)
+    assert wait.pids and not any(map(is_running, wait.pids))
     assert not region_report(ours).ran_eager  # compiled in the training process instead
 
 
@@ -124,7 +156,7 @@ def test_a_background_compile_past_its_limit_is_stopped_with_one_warning(tmp_pat
     assert sum(issubclass(w.category, BackgroundCompileWarning) for w in caught) == 1
     trainer(tmp_path, "auto", 8).fit(plain, data())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
-    assert wait.pids and not any(is_running(pid) for pid in wait.pids)
+    assert wait.pids and not any(map(is_running, wait.pids))
     assert strategy.background.steps_eager == 2  # shipped after step 1, stopped after step 2
 
 
@@ -145,7 +177,7 @@ def test_an_exception_in_fit_leaves_no_child_running(tmp_path):
     with pytest.raises(RuntimeError, match="fails mid-run"):
         trainer(tmp_path, strategy, 20, callbacks=[interrupt]).fit(gpt(), data())
     assert interrupt.pids and not is_running(interrupt.pids[0])
-    assert strategy.background.process is None and strategy.background.folder is None
+    assert strategy.background.process is None
 
 
 def test_fsdp2_and_nested_refuse_the_mode_at_once_with_the_reason():
@@ -201,3 +233,35 @@ def test_a_fabric_loop_switches_too_with_plain_losses():
     assert not region_report(model.module).ran_eager  # the module under Fabric's wrapper
     strategy.teardown()
     assert strategy.background.process is None
+
+
+def test_a_validation_after_the_first_step_ships_its_calls_too(tmp_path):
+    ours, plain = twins()
+    strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
+    wait = WaitForTheSwitch()
+    options = {"validate": True, "num_sanity_val_steps": 0, "val_check_interval": 2}
+    trainer(tmp_path, strategy, STEPS, [wait], **options).fit(ours, data())  # validate each 2 steps
+    background = strategy.background
+    kinds = {str(kind) for _, kind in background.shipped}
+    assert kinds == {"training", "evaluation"} and background.switched
+    assert len(wait.pids) == 2  # the evaluation calls came after the first child started
+    trainer(tmp_path, "auto", STEPS, **options).fit(plain, data())
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("entry", ["validate", "predict"])
+def test_validate_and_predict_alone_compile_at_their_start(tmp_path, entry, caplog):
+    caplog.set_level(logging.INFO)
+    ours, plain = twins()
+    strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
+    theirs = getattr(trainer(tmp_path, "auto", limit_val_batches=2, limit_predict_batches=2), entry)
+    mine = getattr(trainer(tmp_path, strategy, limit_val_batches=2, limit_predict_batches=2), entry)
+    got, expected = mine(ours, data()), theirs(plain, data())
+    if entry == "predict":
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    else:
+        assert got[0] == pytest.approx(expected[0], rel=1e-5)
+    assert "this run has none (validate, test or predict): the regions compile now" in caplog.text
+    report = region_report(ours)
+    assert report.rows and all(row.compiled_calls for row in report.rows)
+    assert strategy.background is None

@@ -42,11 +42,12 @@ def test_ranks_end_identical_and_equal_to_eager_ddp(tmp_path, eager, mode):
 
 
 @pytest.mark.ddp
-def test_background_compile_switches_every_rank_at_the_same_step_with_eager_losses(tmp_path):
+def test_background_compile_runs_one_child_and_switches_every_rank_at_one_step(tmp_path):
     background = run_ddp("background", tmp_path)
     eager_long = run_ddp("eager_long", tmp_path)
     assert all(rank["switched"] and not rank["child_left"] for rank in background)
     assert background[0]["steps_eager"] == background[1]["steps_eager"] >= 1
+    assert [rank["children"] for rank in background] == [1, 0]  # one child in the whole job
     assert all(rank["compiled"] for rank in background)
     for rank in range(2):
         assert background[rank]["losses"] == pytest.approx(eager_long[rank]["losses"], rel=1e-5)

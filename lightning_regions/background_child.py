@@ -1,0 +1,105 @@
+"""The background child: ``python -m lightning_regions.background_child FOLDER``.
+
+It reads ``FOLDER/shipment.pkl`` (written by the training process, in its own private
+folder), compiles the regions by the shipped recipe and replays each recorded call with
+tensors of the recorded metadata, forward and backward for a training call, into
+torch's caches (the ``TORCHINDUCTOR_CACHE_DIR`` it inherits). Then it writes the cache
+artifacts of everything it compiled (``torch.compiler.save_cache_artifacts``) to
+``FOLDER/artifacts.bin`` for the job's other processes, and ``FOLDER/result.json``:
+``{"ok": true, "seconds": ...}``, or ``{"ok": false, "error": ...}``: failures are
+reported as data, as torch's compile workers do. It exits when the training process is
+gone.
+
+One region's weights and activations exist at a time, each made on the device of its
+recorded call just before the call and freed after it: the child never holds a copy of
+the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compat import tree_flatten
+from .regions import find_regions
+from .shipment import RegionCall, Shipment, materialize, release, unpack
+
+SHIPMENT = "shipment.pkl"
+ARTIFACTS = "artifacts.bin"
+RESULT = "result.json"
+LOG = "child.log"
+
+
+def replay(region: nn.Module, call: RegionCall) -> None:
+    """Call ``region`` as recorded; backward through what a training call returns."""
+    region.train(call.kind.training)
+    args, kwargs = call.made()
+    with call.kind.entered():
+        output = region(*args, **kwargs)
+        if not call.kind.grad_enabled:
+            return
+        needing_grad = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if needing_grad:
+            torch.autograd.backward(needing_grad, [torch.ones_like(t) for t in needing_grad])
+
+
+def compile_shipment(shipment: Shipment) -> dict[str, Any]:
+    """Compile and replay everything ``shipment`` holds, into torch's caches."""
+    shipment.recipe.enter_settings()
+    holder = nn.Module()
+    holder.regions = nn.ModuleList(shipment.regions)
+    plan = find_regions(holder, [f"regions.{index}" for index in range(len(shipment.regions))])
+    shipment.recipe.compile(holder, plan, root_is_called=True)
+    start = time.perf_counter()
+    for call in sorted(shipment.calls, key=lambda call: call.order):
+        region = holder.regions[call.index]
+        materialize([region], call.device)
+        try:
+            replay(region, call)
+        finally:
+            release([region])
+    return {"ok": True, "seconds": time.perf_counter() - start}
+
+
+def watch_parent(parent: int) -> None:
+    """End this process when the training process is gone."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(folder: str) -> int:
+    where = Path(folder)
+    try:
+        shipment = unpack((where / SHIPMENT).read_bytes())
+        watch_parent(shipment.parent)
+        result = compile_shipment(shipment)
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            (where / ARTIFACTS).write_bytes(saved[0])
+    except BaseException as error:  # every failure goes back to the training process
+        result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
+    (where / RESULT).write_text(json.dumps(result))
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    # run as the package's module, so that shipped objects' classes are this module's
+    from lightning_regions.background_child import main as child_main
+
+    sys.exit(child_main(sys.argv[1]))
