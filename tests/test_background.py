@@ -27,7 +27,8 @@ from lightning_regions import (
 )
 from lightning_regions.background import BackgroundCompileWarning
 
-STEPS = 120
+#: The most steps a run that waits for the switch may take; it stops 3 steps after it.
+STEPS = 1000
 
 
 def is_running(pid: int) -> bool:
@@ -40,9 +41,9 @@ def is_running(pid: int) -> bool:
 
 def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStrategy:
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True, **options)
-    wait = WaitForTheSwitch()
+    wait = WaitForTheSwitch(after=3)
     trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours_model, data())
-    trainer(tmp_path, "auto", STEPS).fit(plain_model, data())
+    trainer(tmp_path, "auto", len(ours_model.losses)).fit(plain_model, data())
     assert ours_model.losses == pytest.approx(plain_model.losses, rel=1e-5)
     assert wait.pids and not any(map(is_running, wait.pids))  # no child outlives the Trainer
     assert strategy.background.process is None
@@ -60,7 +61,7 @@ def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
     strategy = fit_both(tmp_path, ours, plain)
     background = strategy.background
     assert background.switched and not background.failure and background.child_seconds
-    assert 1 <= background.steps_eager < STEPS
+    assert 1 <= background.steps_eager == len(ours.losses) - 3
     report = region_report(ours)
     assert not report.ran_eager and all(row.compiled_calls for row in report.rows)
     assert ours.model.blocks[0]._compiled_call_impl is not None
@@ -134,11 +135,11 @@ class FailsElsewhere(nn.Module):
 def test_a_failed_background_compile_warns_once_and_training_goes_on(tmp_path):
     ours, plain = (seeded_stack(lambda: [FailsElsewhere() for _ in range(3)]) for _ in range(2))
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
-    wait = WaitForTheSwitch()
+    wait = WaitForTheSwitch(after=3)
     with pytest.warns(BackgroundCompileWarning, match="runs only where it was built") as caught:
         trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours, vectors())
     assert sum(issubclass(w.category, BackgroundCompileWarning) for w in caught) == 1
-    trainer(tmp_path, "auto", STEPS).fit(plain, vectors())
+    trainer(tmp_path, "auto", len(ours.losses)).fit(plain, vectors())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
     assert strategy.background.switched and strategy.background.process is None
     assert wait.pids and not any(map(is_running, wait.pids))
@@ -238,14 +239,14 @@ def test_a_fabric_loop_switches_too_with_plain_losses():
 def test_a_validation_after_the_first_step_ships_its_calls_too(tmp_path):
     ours, plain = twins()
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
-    wait = WaitForTheSwitch()
+    wait = WaitForTheSwitch(after=3)
     options = {"validate": True, "num_sanity_val_steps": 0, "val_check_interval": 2}
     trainer(tmp_path, strategy, STEPS, [wait], **options).fit(ours, data())  # validate each 2 steps
     background = strategy.background
     kinds = {str(kind) for _, kind in background.shipped}
     assert kinds == {"training", "evaluation"} and background.switched
     assert len(wait.pids) == 2  # the evaluation calls came after the first child started
-    trainer(tmp_path, "auto", STEPS, **options).fit(plain, data())
+    trainer(tmp_path, "auto", len(ours.losses), **options).fit(plain, data())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
