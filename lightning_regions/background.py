@@ -59,10 +59,18 @@ from .shipment import (
     RegionCall,
     Shipment,
     Unshippable,
+    call_signature,
     describe_call,
     pack,
     shippable_copies,
 )
+
+#: Calls recorded per region and kind of call: the first, and the first whose arguments
+#: metadata differ from it (dynamo compiles a static graph, then on a change of shape, a
+#: variable last batch say, a dynamic one that covers later changes).
+SIGNATURES_PER_KIND = 2
+#: A recorded call: its region's index, its kind, and which of the kind's signatures.
+CallKey = tuple[int, CallKind, int]
 
 
 class BackgroundCompileWarning(UserWarning):
@@ -156,8 +164,9 @@ class BackgroundCompile:
         self.recipe = recipe
         self.timeout_s = timeout_s
         self.artifact_guard = artifact_guard
-        self.calls: dict[tuple[int, CallKind], RegionCall] = {}
-        self.shipped: set[tuple[int, CallKind]] = set()
+        self.calls: dict[CallKey, RegionCall] = {}
+        self.shipped: set[CallKey] = set()
+        self._signatures: dict[tuple[int, CallKind], list[tuple[Any, ...]]] = {}
         self.unshipped: dict[int, str] = {}  # region index: why it cannot ship
         self.failure = ""
         self.child: Child | None = None
@@ -182,15 +191,20 @@ class BackgroundCompile:
 
     def _recorder(self, index: int) -> Any:
         def record(module: nn.Module, args: Any, kwargs: Any) -> None:
-            key = (index, CallKind.now(module))
-            if key in self.calls or index in self.unshipped:
+            kind = CallKind.now(module)
+            seen = self._signatures.setdefault((index, kind), [])
+            if len(seen) >= SIGNATURES_PER_KIND or index in self.unshipped:
                 return
             try:
                 described = describe_call(args, kwargs)
             except Unshippable as error:
                 self.unshipped[index] = str(error)
                 return
-            self.calls[key] = RegionCall(index, next(self._order), key[1], described)
+            signature = call_signature(described)
+            if signature not in seen:
+                seen.append(signature)
+                call = RegionCall(index, next(self._order), kind, described, len(seen))
+                self.calls[(index, kind, len(seen))] = call
 
         return record
 
@@ -240,21 +254,23 @@ class BackgroundCompile:
             self.child = None
         if self.failure:
             return True
-        waiting = [key for key in self.calls if key not in self.shipped]
-        if not waiting:
+        if all(key in self.shipped for key in self.calls):
             return True
-        self._ship(waiting)
+        self._ship()
         return self.child is None
 
-    def _ship(self, keys: list[tuple[int, CallKind]]) -> None:
-        """Start a child on the calls under ``keys`` (or note why not)."""
-        self.shipped.update(keys)
+    def _ship(self) -> None:
+        """Start a child on every call recorded so far (or note why not). Those an earlier
+        child compiled are replayed again, warm, so that dynamo's state (a shape that
+        changed since the first call) is the training process's when the new ones
+        compile."""
+        self.shipped.update(self.calls)
         copies, refused = shippable_copies([region.module for region in self.plan.regions])
         self.unshipped.update(refused)
         place = {index: place for place, index in enumerate(copies)}  # in the shipment
         calls = [
-            dataclasses.replace(self.calls[key], index=place[key[0]])
-            for key in keys
+            dataclasses.replace(call, index=place[key[0]])
+            for key, call in self.calls.items()
             if key[0] in place
         ]
         if not calls:

@@ -61,14 +61,26 @@ def compile_shipment(shipment: Shipment) -> dict[str, Any]:
     plan = find_regions(holder, [f"regions.{index}" for index in range(len(shipment.regions))])
     shipment.recipe.compile(holder, plan, root_is_called=True)
     start = time.perf_counter()
-    for call in sorted(shipment.calls, key=lambda call: call.order):
-        region = holder.regions[call.index]
-        materialize([region], call.device)
-        try:
-            replay(region, call)
-        finally:
-            release([region])
+    for calls in orders(shipment.calls):
+        torch.compiler.reset()  # each order from a fresh dynamo, as in the training process
+        for call in calls:
+            region = holder.regions[call.index]
+            materialize([region], call.device)
+            try:
+                replay(region, call)
+            finally:
+                release([region])
     return {"ok": True, "seconds": time.perf_counter() - start}
+
+
+def orders(calls: list[RegionCall]) -> list[list[RegionCall]]:
+    """The orders to replay ``calls`` in: as recorded (a static graph for the first
+    signature of each kind, a dynamic one once it changed); and, where a kind changed,
+    its later signature first too, since after the switch either may come first (the
+    training process then compiles that one static; the dynamic graph follows)."""
+    recorded = sorted(calls, key=lambda call: call.order)
+    later_first = sorted(calls, key=lambda call: (call.signature == 1, call.order))
+    return [recorded, later_first] if later_first != recorded else [recorded]
 
 
 def watch_parent(parent: int) -> None:

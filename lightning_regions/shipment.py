@@ -113,12 +113,14 @@ class CallKind:
 
 @dataclass
 class RegionCall:
-    """One region's first call of one kind, as the child replays it."""
+    """One region's call of one kind, as the child replays it: the first, or a later one
+    whose arguments' metadata differ (``signature`` 2)."""
 
     index: int  # the region's place in the plan
     order: int  # when it was called, among all recorded calls
     kind: CallKind
     args: Any  # the pytree of (args, kwargs) with TensorSpec leaves
+    signature: int = 1  # which of its kind's distinct signatures, in the order seen
 
     @property
     def device(self) -> str:
@@ -148,6 +150,13 @@ def describe_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 f"an argument of type {type(leaf).__name__}, neither a tensor nor a plain value"
             )
     return tree_unflatten(described, spec)
+
+
+def call_signature(described: Any) -> tuple[Any, ...]:
+    """What dynamo guards on in a described call (``describe_call``): its structure and
+    every leaf, each tensor's metadata and each plain value."""
+    leaves, spec = tree_flatten(described)
+    return (str(spec), *leaves)
 
 
 def _tensors_of(modules: list[nn.Module]) -> Iterator[torch.Tensor]:

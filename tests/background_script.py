@@ -85,7 +85,8 @@ def block_in_a_function() -> type[nn.Module]:
 
 
 def batches() -> torch.utils.data.DataLoader:
-    tokens = torch.randint(0, VOCAB, (32, LENGTH + 1), generator=torch.Generator().manual_seed(0))
+    """8 batches an epoch, the last of 2 sequences (a variable last batch)."""
+    tokens = torch.randint(0, VOCAB, (30, LENGTH + 1), generator=torch.Generator().manual_seed(0))
     return torch.utils.data.DataLoader(tokens, batch_size=4)
 
 
@@ -100,7 +101,7 @@ def is_running(pid: int) -> bool:
 def train_both(block: type[nn.Module], root: str) -> dict:
     """The background mode until 3 steps after its switch, then the default mode for as
     many steps, both with validation every 4 steps and the default sanity check."""
-    wait = WaitForTheSwitch(seconds=0.2, after=3)
+    wait = WaitForTheSwitch(seconds=0.2, after=12)  # a variable last batch after the switch
     ours = Model(block)
     strategy = RegionalCompileStrategy(compile_in_background=True)
     options = {"val_check_interval": 4, "num_sanity_val_steps": 2, "limit_val_batches": 1}

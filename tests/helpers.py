@@ -69,9 +69,9 @@ class SeenCacheDir(pl.Callback):
 class WaitForTheSwitch(pl.Callback):
     """Slow the eager steps of ``compile_in_background=True`` down until the regions
     switched, so the switch comes within a short run on a loaded machine; record every
-    child's pid, and torch's cache counters over the first compiled step and the first
-    validation after the switch (``hits_misses``); with ``after``, stop that many
-    steps after the switch."""
+    child's pid, and torch's cache counters (``counts``) over the first compiled step
+    ("training"), the first validation after the switch ("validation") and everything
+    after the switch ("after_switch"); with ``after``, stop that many steps after it."""
 
     def __init__(self, seconds: float = 0.1, after: int | None = None) -> None:
         self.seconds = seconds
@@ -97,6 +97,13 @@ class WaitForTheSwitch(pl.Callback):
             self.counts["training"] = _since(background.counts_at_switch, cache_counts())
         if self.after is not None and trainer.global_step >= self.switch_step + self.after:
             trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, *args: object) -> None:
+        from lightning_regions.compat import cache_counts
+
+        background = trainer.strategy.background
+        if self.switch_step is not None and background is not None:
+            self.counts["after_switch"] = _since(background.counts_at_switch, cache_counts())
 
     def on_validation_start(self, trainer: pl.Trainer, *args: object) -> None:
         from lightning_regions.compat import cache_counts

@@ -243,9 +243,9 @@ def test_a_validation_after_the_first_step_ships_its_calls_too(tmp_path):
     options = {"validate": True, "num_sanity_val_steps": 0, "val_check_interval": 2}
     trainer(tmp_path, strategy, STEPS, [wait], **options).fit(ours, data())  # validate each 2 steps
     background = strategy.background
-    kinds = {str(kind) for _, kind in background.shipped}
+    kinds = {str(kind) for _, kind, _ in background.shipped}
     assert kinds == {"training", "evaluation"} and background.switched
-    assert len(wait.pids) == 2  # the evaluation calls came after the first child started
+    assert len(wait.pids) >= 2  # the evaluation calls came after the first child started
     trainer(tmp_path, "auto", len(ours.losses), **options).fit(plain, data())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
 
