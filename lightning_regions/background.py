@@ -43,10 +43,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from .background_child import ARTIFACTS, LOG, RESULT, SHIPMENT
@@ -210,9 +212,10 @@ class BackgroundCompile:
 
     # --- the step boundary --------------------------------------------------------------
 
-    def at_step_boundary(self, processes: Processes) -> bool:
-        """After an optimizer step: ship or poll (rank 0), agree, and at the switch share
-        the outcome. True when the regions are to compile in place now."""
+    def at_step_boundary(self, processes: Processes, compile_now: Callable[[], None]) -> bool:
+        """After an optimizer step: ship or poll (rank 0) and agree; at the switch, share
+        the outcome, ``compile_now`` (the strategy's in-place compile) and warm the
+        evaluation graphs. True when the switch came now."""
         if self.switched:
             return False
         self.steps_eager += 1
@@ -232,7 +235,26 @@ class BackgroundCompile:
         self.counts_at_switch = cache_counts()
         self.stop()
         self._warn(outcome)
+        compile_now()
+        self.warm_evaluation()
         return True
+
+    def warm_evaluation(self) -> None:
+        """Replay each recorded evaluation call (made tensors, in the recorded order) on
+        its compiled region, so that the first validation after the switch runs at warm
+        speed: their graphs load now, inside the switch step, as the child's replay did.
+        The random number generators are left as they were."""
+        calls = sorted(
+            (call for call in self.calls.values() if not call.kind.trains),
+            key=lambda call: call.order,
+        )
+        cuda = sorted({torch.device(c.device).index or 0 for c in calls if "cuda" in c.device})
+        with torch.random.fork_rng(devices=cuda):
+            for call in calls:
+                region = self.plan.regions[call.index].module
+                args, kwargs = call.made()
+                with call.kind.entered(region):
+                    region(*args, **kwargs)
 
     def _advance(self) -> bool:
         """Rank 0: poll the child; ship what waits. True when nothing is left to do."""
@@ -265,7 +287,8 @@ class BackgroundCompile:
         changed since the first call) is the training process's when the new ones
         compile."""
         self.shipped.update(self.calls)
-        copies, refused = shippable_copies([region.module for region in self.plan.regions])
+        ours = {hook.id for hook in self._hooks}  # our recorders never cross
+        copies, refused = shippable_copies([r.module for r in self.plan.regions], ours)
         self.unshipped.update(refused)
         place = {index: place for place, index in enumerate(copies)}  # in the shipment
         calls = [

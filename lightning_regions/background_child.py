@@ -40,9 +40,8 @@ LOG = "child.log"
 
 def replay(region: nn.Module, call: RegionCall) -> None:
     """Call ``region`` as recorded; backward through what a training call returns."""
-    region.train(call.kind.training)
     args, kwargs = call.made()
-    with call.kind.entered():
+    with call.kind.entered(region):
         output = region(*args, **kwargs)
         if not call.kind.grad_enabled:
             return
@@ -70,17 +69,26 @@ def compile_shipment(shipment: Shipment) -> dict[str, Any]:
                 replay(region, call)
             finally:
                 release([region])
+        torch.compiler.reset()
     return {"ok": True, "seconds": time.perf_counter() - start}
 
 
 def orders(calls: list[RegionCall]) -> list[list[RegionCall]]:
-    """The orders to replay ``calls`` in: as recorded (a static graph for the first
-    signature of each kind, a dynamic one once it changed); and, where a kind changed,
-    its later signature first too, since after the switch either may come first (the
-    training process then compiles that one static; the dynamic graph follows)."""
+    """The orders to replay ``calls`` in: the order the training process calls them in
+    after the switch, from a fresh dynamo. Which graphs dynamo compiles depends on it: the
+    first call of a code object is compiled static, a later one whose shapes differ from
+    what it saw dynamic. After the switch the training process first replays the
+    evaluation calls (``BackgroundCompile.warm_evaluation``), in the order recorded; then
+    training goes on with whichever batch comes next: so one order per training
+    signature, that signature's calls first."""
     recorded = sorted(calls, key=lambda call: call.order)
-    later_first = sorted(calls, key=lambda call: (call.signature == 1, call.order))
-    return [recorded, later_first] if later_first != recorded else [recorded]
+    evaluation = [call for call in recorded if not call.kind.trains]
+    training = [call for call in recorded if call.kind.trains]
+    firsts = sorted({call.signature for call in training}) or [1]
+    return [
+        evaluation + sorted(training, key=lambda call: (call.signature != first, call.order))
+        for first in firsts
+    ]
 
 
 def watch_parent(parent: int) -> None:

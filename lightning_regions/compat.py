@@ -80,6 +80,10 @@ PRIVATE_APIS = (
 MODULE_CHILDREN = "_modules"
 MODULE_PARAMETERS = "_parameters"
 MODULE_BUFFERS = "_buffers"
+#: The slots of a module's forward pre-hooks, by handle id, and of those taking kwargs.
+MODULE_PRE_HOOKS = "_forward_pre_hooks"
+MODULE_PRE_HOOKS_WITH_KWARGS = "_forward_pre_hooks_with_kwargs"
+PRE_HOOK_SLOTS = (MODULE_PRE_HOOKS, MODULE_PRE_HOOKS_WITH_KWARGS)
 #: Where ``nn.Module.compile`` puts the compiled call (instance ``__dict__``).
 COMPILED_CALL = "_compiled_call_impl"
 #: Where an ``OptimizedModule`` keeps the module it wraps; also a path segment of it.
@@ -99,7 +103,7 @@ def missing_torch_apis() -> list[str]:
         if found is None:
             missing.append(f"{module_name}.{attribute} ({purpose})")
     instance = torch.nn.Module()
-    for slot in (MODULE_CHILDREN, MODULE_PARAMETERS, MODULE_BUFFERS):
+    for slot in (MODULE_CHILDREN, MODULE_PARAMETERS, MODULE_BUFFERS, *PRE_HOOK_SLOTS):
         if not isinstance(vars(instance).get(slot), dict):
             missing.append(f"torch.nn.Module().{slot} (reading every registration)")
     if COMPILED_CALL not in vars(torch.nn.Module):  # None there, so not a PRIVATE_APIS row
@@ -361,6 +365,15 @@ def set_registered_children(module: nn.Module, children: dict[str, nn.Module | N
 def registered_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     """``module``'s own parameter registrations as stored: ``None`` ones included."""
     return vars(module)[MODULE_PARAMETERS]
+
+
+def remove_forward_pre_hooks(module: nn.Module, hook_ids: set[int]) -> None:
+    """Take the forward pre-hooks registered under ``hook_ids`` (their handles' ids) off
+    ``module`` (a copy whose hooks dict it shares with nobody)."""
+    for slot in PRE_HOOK_SLOTS:
+        hooks = vars(module)[slot]
+        for hook_id in hook_ids & set(hooks):
+            del hooks[hook_id]
 
 
 def registered_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:

@@ -22,7 +22,7 @@ import contextlib
 import copy
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,13 @@ import cloudpickle
 import torch
 from torch import nn
 
-from .compat import registered_buffers, registered_parameters, tree_flatten, tree_unflatten
+from .compat import (
+    registered_buffers,
+    registered_parameters,
+    remove_forward_pre_hooks,
+    tree_flatten,
+    tree_unflatten,
+)
 
 #: Plain values an argument may be, shipped as they are.
 PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -96,19 +102,33 @@ class CallKind:
             autocast,
         )
 
+    @property
+    def trains(self) -> bool:
+        """A training call (forward and backward), not an evaluation one."""
+        return self.training and self.grad_enabled
+
     @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
-        """Grad mode, inference mode and autocast as they were at the call."""
-        with contextlib.ExitStack() as stack:
-            if self.inference_mode:
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-            for device, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
-            yield
+    def entered(self, module: nn.Module) -> Iterator[None]:
+        """``module`` in this kind's mode (each submodule's own mode back afterwards; a
+        module already in it keeps its submodules' own, a frozen norm's say), with grad
+        mode, inference mode and autocast as they were at the call."""
+        modes = [(inner, inner.training) for inner in module.modules()]
+        if module.training != self.training:
+            module.train(self.training)
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.inference_mode:
+                    stack.enter_context(torch.inference_mode())
+                stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+                for device, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device, dtype=dtype))
+                yield
+        finally:
+            for inner, training in modes:
+                inner.training = training
 
     def __str__(self) -> str:
-        return "training" if self.training and self.grad_enabled else "evaluation"
+        return "training" if self.trains else "evaluation"
 
 
 @dataclass
@@ -168,10 +188,13 @@ def _tensors_of(modules: list[nn.Module]) -> Iterator[torch.Tensor]:
             yield from (t for t in vars(module).values() if isinstance(t, torch.Tensor))
 
 
-def structural_copy(modules: list[nn.Module]) -> list[nn.Module]:
+def structural_copy(
+    modules: list[nn.Module], without_hooks: Set[int] = frozenset()
+) -> list[nn.Module]:
     """``modules`` copied together with every tensor they hold on the ``meta`` device:
     the structure the child traces, without a value. Tensors shared between them stay
-    shared; nothing is read from the device."""
+    shared; nothing is read from the device. The forward pre-hooks whose handle ids are
+    ``without_hooks`` (the background compile's own recorders) are not copied."""
     memo: dict[int, Any] = {}
     for tensor in _tensors_of(modules):
         if id(tensor) in memo:
@@ -180,7 +203,11 @@ def structural_copy(modules: list[nn.Module]) -> list[nn.Module]:
         if isinstance(tensor, nn.Parameter):
             meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = meta
-    return copy.deepcopy(modules, memo)
+    copies = copy.deepcopy(modules, memo)
+    for root in copies:
+        for module in root.modules():
+            remove_forward_pre_hooks(module, set(without_hooks))
+    return copies
 
 
 def _replace_tensors(modules: list[nn.Module], replace: Any) -> None:
@@ -254,17 +281,19 @@ def pack(shipment: Shipment) -> bytes:
         raise Unshippable(f"the compile recipe or a call cannot be pickled: {error}") from error
 
 
-def shippable_copies(modules: list[nn.Module]) -> tuple[dict[int, nn.Module], dict[int, str]]:
+def shippable_copies(
+    modules: list[nn.Module], without_hooks: Set[int] = frozenset()
+) -> tuple[dict[int, nn.Module], dict[int, str]]:
     """Structural copies (``structural_copy``, made together) of those of ``modules``
     that can cross to another process, by index; for each of the others, why not."""
     refused = {}
     for index, module in enumerate(modules):
         try:
-            cloudpickle.dumps(structural_copy([module]))
+            cloudpickle.dumps(structural_copy([module], without_hooks))
         except Exception as error:  # copying and pickling run the user's code: anything
             refused[index] = f"{type(error).__name__}: {error}"
     kept = [index for index in range(len(modules)) if index not in refused]
-    copies = structural_copy([modules[index] for index in kept])
+    copies = structural_copy([modules[index] for index in kept], without_hooks)
     return dict(zip(kept, copies, strict=True)), refused
 
 

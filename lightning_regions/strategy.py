@@ -121,10 +121,13 @@ class RegionalCompileBase:
         """After an optimizer step: until the background switch, its step boundary
         (which may compile the regions now); then report as the default mode does."""
         if self.background is not None and self._compile_at_switch is not None:
-            if self.background.at_step_boundary(self):  # type: ignore[arg-type]
-                module_, root_is_called, plan, recipe = self._compile_at_switch
-                self._compile_at_switch = None
+            module_, root_is_called, plan, recipe = self._compile_at_switch
+
+            def compile_now() -> None:
                 self._compile_now(module_, root_is_called, plan, recipe)
+
+            if self.background.at_step_boundary(self, compile_now):  # type: ignore[arg-type]
+                self._compile_at_switch = None
             return
         first = not self.reporter.reported
         self.reporter.after_optimizer_step(module, phase)

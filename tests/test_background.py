@@ -266,3 +266,44 @@ def test_validate_and_predict_alone_compile_at_their_start(tmp_path, entry, capl
     report = region_report(ours)
     assert report.rows and all(row.compiled_calls for row in report.rows)
     assert strategy.background is None
+
+
+class OneProcess:
+    """The one process of a run on a single device, as a strategy answers for it."""
+
+    is_global_zero = True
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    def broadcast(self, obj: object, src: int = 0) -> object:
+        return obj
+
+
+def test_what_ships_is_structure_and_call_metadata_never_weights():
+    from lightning_regions import find_regions
+    from lightning_regions.background import BackgroundCompile
+    from lightning_regions.background_child import SHIPMENT
+    from lightning_regions.options import RegionalOptions
+    from lightning_regions.recipe import CompileRecipe
+    from lightning_regions.shipment import unpack
+
+    width = 256  # 4 blocks of 256 KB of weights each
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4))
+    plan = find_regions(blocks)
+    recipe = CompileRecipe(RegionalOptions(backend="aot_eager"))
+    background = BackgroundCompile(plan, recipe, timeout_s=60, artifact_guard={})
+    try:
+        x = torch.randn(2, width)
+        for block in blocks:
+            x = block(x)  # the recorders see each region's training call
+        assert not background.at_step_boundary(OneProcess(), compile_now=lambda: None)
+        shipped = (background.child.where / SHIPMENT).read_bytes()
+    finally:
+        background.stop()
+    weights = sum(p.numel() * p.element_size() for p in blocks.parameters())
+    assert len(shipped) < weights / 20, (len(shipped), weights)
+    shipment = unpack(shipped)
+    tensors = [t for region in shipment.regions for t in region.state_dict().values()]
+    assert len(tensors) == 8 and all(t.is_meta for t in tensors)
+    assert len(shipment.calls) == 4 and {str(call.kind) for call in shipment.calls} == {"training"}
