@@ -59,6 +59,8 @@ bench: install
 	$(PY) benchmarks/generating_eval.py
 	$(PY) benchmarks/generating_eval.py --backend inductor --sanity 1
 	$(PY) benchmarks/background_compile.py
+	$(PY) benchmarks/ddp_split.py
+	$(PY) benchmarks/multi_node.py
 
 # On a GPU machine: its own python3 and this source tree, nothing installed. Here the
 # venv's python, which finds no GPU and says so.

@@ -13,10 +13,13 @@ them into a function and into a notebook run by a real Jupyter kernel. The ways:
 - ``torch.compile async``: the same under torch's own background compile,
   ``TORCHINDUCTOR_FX_COMPILE_MODE=async+subprocess``; on torch 2.13 it fails with
   inductor's FX-graph and AOTAutograd caches on (``NotImplementedError:
-  _AsyncOutputCode``), so these rows run with both caches off;
+  _AsyncOutputCode``), so these rows run with both caches off; its subprocess cannot
+  unpickle a graph that names a class of the training script, so it runs once more with
+  the classes in a package (``, package``);
 - ``accelerate``: ``accelerate.utils.compile_regions``;
 - ``lightning_regions``: ``RegionalCompileStrategy()``, the default mode, and ``...
-  async``, the same under torch's async mode (caches off, as above);
+  async``, the same under torch's async mode (caches off, as above; and with the
+  classes in a package);
 - ``background``: ``RegionalCompileStrategy(compile_in_background=True)``, with the
   classes in the script, in a function, or in a notebook.
 
@@ -61,9 +64,11 @@ WAYS: dict[str, tuple[str, bool, bool, str]] = {
     "eager": ("auto", False, False, "script"),
     "torch.compile": ("auto", True, False, "script"),
     "torch.compile async": ("auto", True, True, "script"),
+    "torch.compile async, package": ("auto", True, True, "package"),
     "accelerate": ("accelerate", False, False, "script"),
     "lightning_regions": ("regional", False, False, "script"),
     "lightning_regions async": ("regional", False, True, "script"),
+    "lightning_regions async, package": ("regional", False, True, "package"),
     "background": ("background", False, False, "script"),
     "background, function": ("background", False, False, "function"),
     "background, notebook": ("background", False, False, "notebook"),
@@ -83,7 +88,11 @@ TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
 
 def model_classes(where: str) -> tuple[type, type]:
     """``(GPTConfig, TinyGPT)`` defined as the user's code defines them: in the training
-    script's ``__main__``, or inside a function there."""
+    script's ``__main__``, inside a function there, or in an importable package."""
+    if where == "package":
+        from examples.tiny_gpt import GPTConfig, TinyGPT
+
+        return GPTConfig, TinyGPT
     source = TINY_GPT.read_text().replace("from __future__ import annotations\n", "")
     if where == "script":
         namespace = vars(sys.modules["__main__"])

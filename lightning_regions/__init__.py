@@ -6,8 +6,6 @@ Importing the package registers the ``"regional_compile"``, ``"regional_compile_
 and ``"regional_compile_fsdp"`` strategy names with Lightning's ``StrategyRegistry``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
-
 from . import compat  # noqa: F401  # checks torch's private names before anything uses them
 from .background import BackgroundCompileWarning
 from .cache import CacheArtifactsIgnoredWarning
@@ -32,8 +30,7 @@ from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError
 from .tracking import RegionCompileError, RegionCompileWarning
 from .watch import RecompileStormWarning
 
-register()
-RegionalCompileFSDPStrategy.register_strategies(StrategyRegistry)
+register(RegionalCompileFSDPStrategy)
 
 __all__ = [
     "BackgroundCompileWarning",

@@ -51,9 +51,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .background_child import ARTIFACTS, LOG, RESULT, SHIPMENT
+from .background_child import ARTIFACTS, KERNELS, LOG, RESULT, SHIPMENT
 from .cache import sign_artifacts, unpack_artifacts
-from .compat import cache_counts
+from .compat import cache_counts, inductor_cache_dir
 from .recipe import CompileRecipe
 from .regions import RegionPlan
 from .shipment import (
@@ -71,6 +71,8 @@ from .shipment import (
 #: metadata differ from it (dynamo compiles a static graph, then on a change of shape, a
 #: variable last batch say, a dynamic one that covers later changes).
 SIGNATURES_PER_KIND = 2
+#: Where the other processes' artifacts come from, as their warnings say.
+SOURCE = "the background compile on global rank 0"
 #: A recorded call: its region's index, its kind, and which of the kind's signatures.
 CallKey = tuple[int, CallKind, int]
 
@@ -128,12 +130,25 @@ class Child:
         done = json.loads(path.read_text()) if path.exists() else {}
         if not done.get("ok") and not done.get("error"):
             text = (self.where / LOG).read_text(errors="replace").strip().splitlines()
-            done = {"ok": False, "error": f"it exited with {code}: {(text or [''])[-1]}"}
+            last = f": {text[-1]}" if text else ""
+            done = {
+                "ok": False,
+                "error": f"the child was killed by signal {-code}"
+                if code < 0
+                else f"the child exited with {code}{last}",
+            }
         return done
 
-    def artifacts(self) -> bytes | None:
-        path = self.where / ARTIFACTS
-        return path.read_bytes() if path.exists() else None
+    def artifacts(self) -> tuple[bytes, dict[str, bytes]] | None:
+        """The cache artifacts of what the child compiled, and the kernel files it
+        loaded (read from the cache directory it shares with this process)."""
+        path, kernels = self.where / ARTIFACTS, self.where / KERNELS
+        if not path.exists():
+            return None
+        root = Path(inductor_cache_dir())
+        names = json.loads(kernels.read_text()) if kernels.exists() else []
+        files = {name: (root / name).read_bytes() for name in names if (root / name).is_file()}
+        return path.read_bytes(), files
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -172,7 +187,8 @@ class BackgroundCompile:
         self.unshipped: dict[int, str] = {}  # region index: why it cannot ship
         self.failure = ""
         self.child: Child | None = None
-        self.artifacts: list[bytes] = []  # what each finished child compiled
+        #: What each finished child compiled: cache artifacts, and kernel files by path.
+        self.artifacts: list[tuple[bytes, dict[str, bytes]]] = []
         self.pids: list[int] = []  # every child this process started
         self.child_seconds: float | None = None
         self.outcome: Outcome | None = None
@@ -227,7 +243,7 @@ class BackgroundCompile:
         assert outcome is not None
         if not processes.is_global_zero:
             for artifacts in outcome.artifacts:
-                if not unpack_artifacts(artifacts, self.artifact_guard):
+                if not unpack_artifacts(artifacts, self.artifact_guard, source=SOURCE):
                     break  # refused: one warning, and this process compiles cold
         self.child_seconds = outcome.child_seconds
         self.switched = True
@@ -312,7 +328,10 @@ class BackgroundCompile:
         )
         artifacts: tuple[dict[str, Any], ...] = ()
         if not self.failure and _several(processes):
-            artifacts = tuple(sign_artifacts(self.artifact_guard, a) for a in self.artifacts)
+            artifacts = tuple(
+                sign_artifacts(self.artifact_guard, saved, kernels)
+                for saved, kernels in self.artifacts
+            )
         return Outcome(self.failure, unshipped, artifacts, self.child_seconds)
 
     def _warn(self, outcome: Outcome) -> None:

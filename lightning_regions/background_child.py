@@ -5,7 +5,9 @@ folder), compiles the regions by the shipped recipe and replays each recorded ca
 tensors of the recorded metadata, forward and backward for a training call, into
 torch's caches (the ``TORCHINDUCTOR_CACHE_DIR`` it inherits). Then it writes the cache
 artifacts of everything it compiled (``torch.compiler.save_cache_artifacts``) to
-``FOLDER/artifacts.bin`` for the job's other processes, and ``FOLDER/result.json``:
+``FOLDER/artifacts.bin`` for the job's other processes, with the paths of the C++ kernel
+files it loaded (``cache.loaded_kernel_files``) in ``FOLDER/kernels.json``, and
+``FOLDER/result.json``:
 ``{"ok": true, "seconds": ...}``, or ``{"ok": false, "error": ...}``: failures are
 reported as data, as torch's compile workers do. It exits when the training process is
 gone.
@@ -28,12 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import tree_flatten
+from .cache import loaded_kernel_files
+from .compat import inductor_cache_dir, tree_flatten
 from .regions import find_regions
 from .shipment import RegionCall, Shipment, materialize, release, unpack
 
 SHIPMENT = "shipment.pkl"
 ARTIFACTS = "artifacts.bin"
+KERNELS = "kernels.json"
 RESULT = "result.json"
 LOG = "child.log"
 
@@ -112,6 +116,8 @@ def main(folder: str) -> int:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
             (where / ARTIFACTS).write_bytes(saved[0])
+        kernels = sorted(loaded_kernel_files(inductor_cache_dir()))
+        (where / KERNELS).write_text(json.dumps(kernels))
     except BaseException as error:  # every failure goes back to the training process
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
     (where / RESULT).write_text(json.dumps(result))

@@ -89,10 +89,82 @@ def artifact_key() -> bytes:
     return path.read_bytes().strip()
 
 
-def sign(guard: dict[str, str], artifacts: bytes, key: bytes | None = None) -> str:
-    """HMAC-SHA256 over the guard (canonical JSON) and the artifact bytes."""
+def sign(
+    guard: dict[str, str],
+    artifacts: bytes,
+    key: bytes | None = None,
+    kernels: dict[str, bytes] | None = None,
+) -> str:
+    """HMAC-SHA256 over the guard (canonical JSON), the artifact bytes and, where there
+    are any, the kernel files (each path with its SHA-256)."""
     message = json.dumps(guard, sort_keys=True).encode() + b"\0" + artifacts
+    if kernels:
+        digests = sorted((path, hashlib.sha256(data).hexdigest()) for path, data in kernels.items())
+        message += b"\0" + json.dumps(digests).encode()
     return hmac.new(key or artifact_key(), message, hashlib.sha256).hexdigest()
+
+
+#: The C++ kernel libraries inductor builds on CPU, as paths under its cache directory
+#: (``<2 characters>/c<hash>.so``, ``.main.so`` for a kernel with Python bindings).
+#: torch's cache artifacts do not carry them: artifacts loaded on a fresh disk find
+#: their graphs, but g++ builds every kernel again (``benchmarks/warm_start.py``).
+#: So they travel beside the artifacts, signed with them.
+KERNEL_FILE = re.compile(r"[a-z0-9]{2}/c[a-z0-9]+(\.[a-z]+)?\.so")
+
+
+def loaded_kernel_files(cache_root: str) -> dict[str, bytes]:
+    """The kernel libraries (``KERNEL_FILE``) this process has loaded from ``cache_root``,
+    by their path relative to it, read from the process's memory map (``/proc/self/maps``);
+    none where the system has no such file."""
+    root = os.path.realpath(cache_root)
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return {}
+    found: dict[str, bytes] = {}
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if not path.startswith(root + os.sep):
+            continue
+        relative = os.path.relpath(path, root)
+        if KERNEL_FILE.fullmatch(relative) and relative not in found:
+            found[relative] = Path(path).read_bytes()
+    return found
+
+
+def kernel_landing(relative: object, cache_root: str) -> str:
+    """Where kernel file ``relative`` goes under ``cache_root``; raises
+    ``CacheArtifactsRefusedError`` for a name that is not a kernel's or that leaves it."""
+    if not isinstance(relative, str) or not KERNEL_FILE.fullmatch(relative):
+        raise CacheArtifactsRefusedError(
+            f"Compile-cache kernel file {relative!r} is not named as inductor names its C++ "
+            "kernels. Not loaded."
+        )
+    root = os.path.realpath(cache_root)
+    landing = os.path.realpath(os.path.join(root, relative))
+    if os.path.commonpath([root, landing]) != root or landing == root:
+        raise CacheArtifactsRefusedError(
+            f"Compile-cache kernel file {relative!r} would be written to {landing}, outside "
+            f"the cache directory {root}. Not loaded."
+        )
+    return landing
+
+
+def write_kernel_files(kernels: dict[str, bytes], cache_root: str) -> None:
+    """Write each kernel file where inductor looks for it, unless one is there already
+    (atomically: a process loading it meanwhile never sees half a file). Every path is
+    checked (``kernel_landing``) before anything is written."""
+    landings = {kernel_landing(relative, cache_root): data for relative, data in kernels.items()}
+    for landing, data in landings.items():
+        if os.path.exists(landing):
+            continue
+        os.makedirs(os.path.dirname(landing), exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(landing), prefix=".kernel-")
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        os.chmod(temporary, 0o755)
+        os.replace(temporary, landing)
 
 
 #: Where torch's ``populate_cache`` writes each registered artifact type, as a path
@@ -272,41 +344,62 @@ def artifact_guard(device_type: str, compile_options: dict[str, Any]) -> dict[st
 
 
 def pack_artifacts(guard: dict[str, str]) -> dict[str, Any] | None:
-    """This process's compile artifacts with their guard and signature, or None."""
+    """This process's compile artifacts and the kernel files it loaded, with their guard
+    and signature, or None."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
-    return sign_artifacts(guard, saved[0])
+    return sign_artifacts(guard, saved[0], loaded_kernel_files(inductor_cache_dir()))
 
 
-def sign_artifacts(guard: dict[str, str], artifacts: bytes) -> dict[str, Any]:
-    """``artifacts`` (torch's serialized compile artifacts) with ``guard`` and this user's
-    signature over both: what ``unpack_artifacts`` loads."""
-    return {"guard": guard, "artifacts": artifacts, "signature": sign(guard, artifacts)}
+def sign_artifacts(
+    guard: dict[str, str], artifacts: bytes, kernels: dict[str, bytes] | None = None
+) -> dict[str, Any]:
+    """``artifacts`` (torch's serialized compile artifacts) and ``kernels`` (kernel files
+    by path in the cache directory) with ``guard`` and this user's signature over all
+    three: what ``unpack_artifacts`` loads."""
+    signature = sign(guard, artifacts, kernels=kernels)
+    payload = {"guard": guard, "artifacts": artifacts, "signature": signature}
+    if kernels:
+        payload["kernels"] = kernels
+    return payload
 
 
 def unpack_artifacts(
-    payload: dict[str, Any] | None, guard: dict[str, str], trust_unsigned: bool = False
+    payload: dict[str, Any] | None,
+    guard: dict[str, str],
+    trust_unsigned: bool = False,
+    source: str = "the checkpoint",
 ) -> bool:
-    """Load ``payload``'s artifacts into inductor's cache directory if this user signed
-    them, the guard equals ``guard`` and every file lands inside that directory.
+    """Load ``payload``'s artifacts (and kernel files) into inductor's cache directory if
+    this user signed them, the guard equals ``guard`` and every file lands inside that
+    directory.
 
     Anything else (not bytes, unsigned, foreign, another guard, an unknown type, a key
     that escapes, torch failing to populate) gives one ``CacheArtifactsIgnoredWarning``
-    naming the cause and returns False: a cold start, never a stopped run.
+    naming the cause and ``source`` and returns False: a cold start, never a stopped run.
     ``trust_unsigned=True`` also loads unsigned and foreign artifacts: they run code.
     """
     if not payload:
         return False
     artifacts, signature = payload.get("artifacts"), payload.get("signature")
+    kernels = payload.get("kernels") or {}
+
+    def ignored(cause: str) -> bool:
+        return _ignored(cause, source)
+
     if not isinstance(artifacts, bytes):
-        return _ignored("they are not bytes")
+        return ignored("they are not bytes")
+    if not isinstance(kernels, dict) or not all(isinstance(v, bytes) for v in kernels.values()):
+        return ignored("their kernel files are not bytes by path")
     saved_guard = payload.get("guard", {})
     if not trust_unsigned:
-        expected = sign(saved_guard, artifacts) if isinstance(saved_guard, dict) else ""
+        expected = (
+            sign(saved_guard, artifacts, kernels=kernels) if isinstance(saved_guard, dict) else ""
+        )
         if not isinstance(signature, str) or not hmac.compare_digest(signature, expected):
             why = "unsigned" if signature is None else "not signed with this user's key"
-            return _ignored(
+            return ignored(
                 f"they are {why}, and loading them would run their code. Artifacts are "
                 f"trusted when signed with {key_path()} or ${KEY_ENVIRONMENT_VARIABLE}; "
                 "pass trust_unsigned_artifacts=True only for checkpoints you trust"
@@ -317,22 +410,26 @@ def unpack_artifacts(
         if saved_guard.get(key) != value
     ]
     if differences:
-        return _ignored("; ".join(differences))
+        return ignored("; ".join(differences))
+    root = inductor_cache_dir()  # TORCHINDUCTOR_CACHE_DIR
     try:
-        parsed = check_artifacts(artifacts, inductor_cache_dir())  # TORCHINDUCTOR_CACHE_DIR
+        parsed = check_artifacts(artifacts, root)
+        for relative in kernels:
+            kernel_landing(relative, root)
     except CacheArtifactsRefusedError as refused:
-        return _ignored(str(refused))  # checked whole first: nothing is half-loaded
+        return ignored(str(refused))  # checked whole first: nothing is half-loaded
     try:
+        write_kernel_files(kernels, root)
         CacheArtifactManager.populate_caches(parsed)
     except Exception as error:
-        return _ignored(f"torch failed to populate its caches: {type(error).__name__}: {error}")
+        return ignored(f"torch failed to populate its caches: {type(error).__name__}: {error}")
     return True
 
 
-def _ignored(cause: str) -> bool:
+def _ignored(cause: str, source: str) -> bool:
     warnings.warn(
-        f"Compile-cache artifacts in the checkpoint were not loaded (cold start): {cause}.",
+        f"Compile-cache artifacts from {source} were not loaded (cold start): {cause}.",
         CacheArtifactsIgnoredWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return False

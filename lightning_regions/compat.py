@@ -64,6 +64,8 @@ PRIVATE_APIS = (
     ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
     ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
     ("torch._dynamo.config", "recompile_limit", "warning of recompiles before the limit"),
+    ("torch._dynamo.config", "optimize_ddp", "keeping regions whole under DDP"),
+    ("torch._dynamo.config", "_is_default", "leaving a dynamo setting the user made alone"),
     ("torch._dynamo.config", "save_config_portable", "the background child's dynamo settings"),
     ("torch._dynamo.config", "load_config", "the background child's dynamo settings"),
     ("torch._inductor.config", "save_config_portable", "the background child's inductor settings"),
@@ -71,6 +73,11 @@ PRIVATE_APIS = (
     ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "FSDP2 groups' mesh sizes"),
     ("torch.nn", "Module._call_impl", "calling a module past its compiled call"),
     ("torch.utils._pytree", "tree_flatten", "shipping a region's example inputs"),
+    (
+        "torch._guards",
+        "CompileContext.current_compile_id",
+        "telling the pieces of DDP's graph split from graph breaks",
+    ),
     ("torch.utils._pytree", "tree_unflatten", "shipping a region's example inputs"),
 )
 
@@ -182,8 +189,8 @@ NESTED_BACKWARD_BUFFER_REUSE = TorchGate(
         "and a Linear head, width 1024), largest gradient error relative to eager's largest: "
         "0.66 on 2.13.0 and 2.15.0 (right on 2.11.0); without the LayerNorm 1.0 on 2.11.0 and "
         "2.13.0 (right on 2.15.0), where a matmul writes over its own input, so at width 8 "
-        "the result is the BLAS's (this AMD EPYC's MKL wrong, CI's machine of 2026-12-02 "
-        "right); the tiny GPT at depth 4: an absolute error of 22 on 2.13.0 and 2.15.0"
+        "the result is the BLAS's (one machine's MKL wrong, another's right); the tiny GPT "
+        "at depth 4: an absolute error of 22 on 2.13.0 and 2.15.0"
     ),
     we_do=(
         "graphs holding nested regions are compiled with allow_buffer_reuse=False "
@@ -341,6 +348,19 @@ def cache_counts() -> dict[str, int]:
         name: int(dynamo_counters[group][counter])
         for name, (group, counter) in CACHE_COUNTERS.items()
     }
+
+
+def current_frame_compile() -> object:
+    """Which frame compile is running (dynamo's compile id: the frame and its recompile
+    number), or None outside one. The graphs dynamo's DDP optimizer splits one frame's
+    graph into share it; a graph break starts a frame compile of its own."""
+    return torch._guards.CompileContext.current_compile_id()
+
+
+def dynamo_setting_is_default(name: str) -> bool:
+    """Whether nobody set dynamo's setting ``name`` (by assignment or its environment
+    variable): it holds torch's default."""
+    return bool(dynamo_config()._is_default(name))
 
 
 def recompile_limit() -> int:

@@ -5,7 +5,9 @@ each block class compiles one graph, and restores at teardown.
   (``kv_cache.disable_kv_cache_unless_asked``);
 - ``generate()`` runs eager, as plain Lightning runs it (``kv_cache.eager_generation``);
 - per-instance int attributes compile as symbolic ints after their first change
-  (torch's process-wide ``allow_unspec_int_on_nn_module``, counted across strategies).
+  (torch's process-wide ``allow_unspec_int_on_nn_module``, counted across strategies);
+- under DDP, each region's graph stays whole: dynamo's DDP optimizer is off
+  (``optimize_ddp``), unless the user set it themselves (``DDPGraphSplitOff``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .compat import dynamo_config
+from .compat import dynamo_config, dynamo_setting_is_default
 from .kv_cache import (
     disable_kv_cache_unless_asked,
     eager_generation,
@@ -49,16 +51,56 @@ class UnspecializedModuleInts:
             dynamo_config().allow_unspec_int_on_nn_module = cls.previous
 
 
+class DDPGraphSplitOff:
+    """torch's ``optimize_ddp`` off while any DDP strategy holds it, where it is at its
+    default (on): left on, dynamo's DDP optimizer compiles each region in pieces cut at
+    DDP's gradient buckets. For regions that buys little and costs (measured in
+    ``benchmarks/results/ddp_split.md``): a region's gradients are ready together at the
+    end of its backward, so its all-reduce already overlaps the next region's backward;
+    and the background child, which runs no DDP, compiles each region whole, so split
+    graphs would miss its cache entries at the switch. A value the user set (the string
+    ``"ddp_optimizer"`` keeps the split) is left alone. Counted as
+    ``UnspecializedModuleInts``; put back to its default at the last release."""
+
+    holders = 0
+    changed = False
+    restored = False  # it holds True because the last release put it back
+
+    @classmethod
+    def acquire(cls) -> None:
+        if cls.holders == 0:
+            config = dynamo_config()
+            untouched = dynamo_setting_is_default("optimize_ddp")
+            if untouched or (cls.restored and config.optimize_ddp is True):
+                config.optimize_ddp = False
+                cls.changed = True
+        cls.holders += 1
+
+    @classmethod
+    def release(cls) -> None:
+        cls.holders -= 1
+        if cls.holders == 0 and cls.changed:
+            dynamo_config().optimize_ddp = True
+            cls.changed, cls.restored = False, True
+
+
 class CompileEnvironment:
     """Entered on a module before its regions compile; left at teardown (or, for the
     dynamo flag, when the module is collected: Fabric has no teardown)."""
 
-    def __init__(self, disable_training_kv_cache: bool, unspecialize_module_ints: bool) -> None:
+    def __init__(
+        self,
+        disable_training_kv_cache: bool,
+        unspecialize_module_ints: bool,
+        whole_graphs_under_ddp: bool = False,
+    ) -> None:
         self.disable_training_kv_cache = disable_training_kv_cache
         self.unspecialize_module_ints = unspecialize_module_ints
+        self.whole_graphs_under_ddp = whole_graphs_under_ddp
         self._kv_cache_module: Any = None
         self._generation_module: Any = None
         self._module_ints_release: weakref.finalize | None = None
+        self._ddp_split_release: weakref.finalize | None = None
 
     def enter(self, module: Any) -> None:
         if self.disable_training_kv_cache:
@@ -82,11 +124,17 @@ class CompileEnvironment:
         if self.unspecialize_module_ints and self._module_ints_release is None:
             UnspecializedModuleInts.acquire()
             self._module_ints_release = weakref.finalize(module, UnspecializedModuleInts.release)
+        if self.whole_graphs_under_ddp and self._ddp_split_release is None:
+            DDPGraphSplitOff.acquire()
+            self._ddp_split_release = weakref.finalize(module, DDPGraphSplitOff.release)
 
     def exit(self) -> None:
         if self._module_ints_release is not None:
             self._module_ints_release()  # once; a weakref.finalize does nothing the second time
             self._module_ints_release = None
+        if self._ddp_split_release is not None:
+            self._ddp_split_release()
+            self._ddp_split_release = None
         if self._kv_cache_module is not None:
             restore_kv_cache(self._kv_cache_module)
             self._kv_cache_module = None

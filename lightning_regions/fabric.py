@@ -37,8 +37,6 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     ``trust_unsigned_artifacts``: Fabric's checkpoints carry no compile artifacts) and
     the Fabric strategy's own arguments, all keyword-only."""
 
-    strategy_name: str
-    description: str
     _module: nn.Module | None = None
     excluded_options = FABRIC_EXCLUDED
 
@@ -67,12 +65,6 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
         super().teardown()
         self.leave_parts()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description=cls.description, override=True
-        )
-
 
 @takes_options(FABRIC_EXCLUDED, base=FabricSingleDeviceStrategy.__init__)
 class RegionalCompileStrategy(RegionalCompileFabricMixin, FabricSingleDeviceStrategy):
@@ -100,6 +92,7 @@ class RegionalCompileDDPStrategy(RegionalCompileFabricMixin, FabricDDPStrategy):
 
     strategy_name = "regional_compile_ddp"
     description = "Fabric DDP, repeated blocks compiled in place in each process"
+    wraps_in_ddp = True
 
 
 def register() -> None:

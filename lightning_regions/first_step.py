@@ -107,6 +107,7 @@ def runtime_summary(report: RegionReport) -> str:
         f"{len(report.ran_eager)} region(s) called without a compiled call"
     ]
     lines += [f"  graphs of {entry}" for entry in report.per_instance if entry.bounded]
+    lines += [f"  compiled in pieces: {split}" for split in report.ddp_split]
     if report.never_called:
         names = compress_paths(row.paths[0] for row in report.never_called)
         lines.append(

@@ -63,6 +63,7 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
     """
 
     strategy_name = "regional_compile_fsdp"
+    description = "FSDP2, sharded by the region plan, regions compiled in place"
     #: Shard first, then compile (see docs/fsdp.md): measured on the first step.
     compile_before_shard = False
 
@@ -184,15 +185,6 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         rank_zero_info(
             f"FSDP2: {len(self.sharded_groups)} group(s) sharded by the region plan: "
             + "; ".join(self.sharded_groups)
-        )
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="FSDP2, sharded by the region plan, regions compiled in place",
-            override=True,
         )
 
 

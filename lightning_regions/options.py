@@ -14,7 +14,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, TypeVar, get_type_hints
 
 import torch
 
@@ -25,6 +25,8 @@ from .compat import inductor_modes
 COMPILE_ERROR_POLICIES = ("raise", "eager")
 #: What ``granularity`` accepts.
 GRANULARITIES = ("regions", "nested")
+#: A strategy class ``takes_options`` decorates.
+StrategyClass = TypeVar("StrategyClass", bound=type)
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -77,14 +79,16 @@ class RegionalOptions:
         metadata=_doc(
             "where compile caches go: ``None`` for torch's own cache, the one a plain "
             "``torch.compile`` run uses (``$TORCHINDUCTOR_CACHE_DIR``, else torch's "
-            "default), shared by every run; or a folder, shared by every run that names it."
+            "default), shared by every run; or a folder, shared by every run that names it "
+            "(docs/caches.md)."
         ),
     )
     trust_unsigned_artifacts: bool = field(
         default=False,
         metadata=_doc(
             "load compile artifacts from checkpoints not signed with this user's key. "
-            "They run code when loaded: only for checkpoints you trust (Trainer only)."
+            "They run code when loaded: only for checkpoints you trust (Trainer only; "
+            "docs/security.md)."
         ),
     )
     disable_training_kv_cache: bool = field(
@@ -106,10 +110,11 @@ class RegionalOptions:
     compile_in_background: bool = field(
         default=False,
         metadata=_doc(
-            "start training at once with the regions eager while a child process compiles "
-            "them into torch's compile cache; at the step boundary after it is done (under "
-            "DDP: on every rank) they compile in place from that cache. Not with "
-            "``granularity='nested'`` or FSDP2."
+            "start training at once with the regions eager while one child process in the "
+            "job compiles them; every process compiles them in place, warm, at an "
+            "optimizer step after it is done (docs/background.md). Not with "
+            "``granularity='nested'`` or FSDP2; ``validate``, ``test`` and ``predict`` "
+            "alone compile at their start."
         ),
     )
     background_timeout_s: float = field(
@@ -124,7 +129,8 @@ class RegionalOptions:
         metadata=_doc(
             '``"regions"`` compiles each repeated block by itself; ``"nested"`` compiles '
             "what runs whole (each top-level child of a LightningModule), with the blocks "
-            "inside marked as torch nested compile regions (traced once, reused)."
+            "inside marked as torch nested compile regions (traced once, reused; "
+            "docs/granularity.md)."
         ),
     )
 
@@ -223,6 +229,16 @@ def options_doc(excluded: Iterable[str] = ()) -> str:
     return "\n".join(lines)
 
 
+def options_table() -> str:
+    """The options as the Markdown table the README shows: name, default, what it does
+    (the field's doc). ``tests/test_readme.py`` holds the README to it."""
+    lines = ["| option | default | what it does |", "|---|---|---|"]
+    for f in fields(RegionalOptions):
+        doc = f.metadata["doc"].replace("``", "`")
+        lines.append(f"| `{f.name}` | `{f.default!r}` | {doc} |")
+    return "\n".join(lines)
+
+
 def validate_on_compile_error(policy: str) -> None:
     if policy not in COMPILE_ERROR_POLICIES:
         raise ValueError(f"on_compile_error={policy!r}: use one of {COMPILE_ERROR_POLICIES}.")
@@ -263,14 +279,14 @@ def validate_compile_arguments(
 
 def takes_options(
     excluded: Iterable[str] = (), base: Callable[..., Any] | None = None
-) -> Callable[[type], type]:
+) -> Callable[[StrategyClass], StrategyClass]:
     """A class decorator for a strategy whose ``__init__`` takes ``**options``: gives it
     an ``__init__`` of its own whose signature lists every option (keyword-only) and the
     strategy's own parameters (``base``'s for its ``**kwargs``), and adds the options to
     its docstring's ``Args`` section (its last section). LightningCLI reads both."""
     excluded = tuple(excluded)
 
-    def decorate(cls: type) -> type:
+    def decorate(cls: StrategyClass) -> StrategyClass:
         inherited = cls.__init__  # type: ignore[misc]
 
         @functools.wraps(inherited)

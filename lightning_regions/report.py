@@ -27,7 +27,7 @@ from .diagnosis import (
 from .graph import join
 from .regions import Region, RegionPlan
 from .tracking import RegionStats
-from .variants import ClassVariants, find_variants
+from .variants import ClassVariants, compress_paths, find_variants
 from .watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard
 
 
@@ -60,6 +60,7 @@ class RegionRow:
     nested_reuses: int = 0  # calls that ran a block already traced, not a new trace
     inlined: bool = False  # torch traced a call of it into the unit's graph, not nested
     graphs_per_call: int = 0  # the most compiled graphs one observed call ran
+    pieces_per_call: int = 0  # the most pieces of them (DDP's split makes several of one)
     frames: tuple[FrameCompile, ...] = ()  # torch's frame compiles during the observed calls
 
     @property
@@ -75,6 +76,25 @@ class RegionRow:
 
 
 @dataclass(frozen=True)
+class DDPSplit:
+    """A region class whose graph dynamo's DDP optimizer split at DDP's gradient-bucket
+    boundaries: one graph compiled in pieces, so that the all-reduce of one bucket's
+    gradients overlaps the backward of the next piece. Not a graph break: nothing runs
+    eager between the pieces."""
+
+    class_name: str
+    regions: tuple[str, ...]
+    pieces: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.class_name} ({compress_paths(self.regions)}): each call runs one graph "
+            f"in {self.pieces} pieces, split at DDP's gradient buckets for communication "
+            "overlap (torch._dynamo.config.optimize_ddp); not graph breaks"
+        )
+
+
+@dataclass(frozen=True)
 class RegionReport:
     """Regions with their counts, plus the aliases and ties of the compiled model."""
 
@@ -87,6 +107,7 @@ class RegionReport:
     per_instance: tuple[PerInstanceRecompiles, ...] = ()
     variants: tuple[ClassVariants, ...] = ()  # classes of more than one variant
     breaks: tuple[RegionGraphBreaks, ...] = ()  # classes whose calls ran in pieces
+    ddp_split: tuple[DDPSplit, ...] = ()  # classes whose graph DDP's optimizer split
 
     @property
     def graphs(self) -> int:
@@ -174,6 +195,8 @@ class RegionReport:
             lines.append(f"  {label} {judged}")
         for split in self.breaks:
             lines.append(f"  GRAPH BREAKS in {split}")
+        for pieces in self.ddp_split:
+            lines.append(f"  compiled in pieces: {pieces}")
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
@@ -216,6 +239,7 @@ def region_report(model: nn.Module) -> RegionReport:
             compile_seconds=stats.compile_seconds,
             compile_error=stats.compile_error,
             graphs_per_call=stats.graphs_per_call,
+            pieces_per_call=stats.pieces_per_call,
             frames=tuple(stats.frames),
         )
         for region, stats in zip(plan.regions, tracker.stats, strict=True)
@@ -236,6 +260,20 @@ def region_report(model: nn.Module) -> RegionReport:
         breaks=find_graph_breaks(
             [RegionFrames(r.class_name, r.paths[0], r.graphs_per_call, r.frames) for r in regional]
         ),
+        ddp_split=ddp_splits(regional),
+    )
+
+
+def ddp_splits(rows: list[RegionRow]) -> tuple[DDPSplit, ...]:
+    """One entry per region class some of whose calls ran a graph in more pieces than
+    graphs (``RegionStats.pieces_per_call``)."""
+    by_class: dict[str, list[RegionRow]] = {}
+    for row in rows:
+        if row.pieces_per_call > max(row.graphs_per_call, 1):
+            by_class.setdefault(row.class_name, []).append(row)
+    return tuple(
+        DDPSplit(name, tuple(r.paths[0] for r in split), max(r.pieces_per_call for r in split))
+        for name, split in by_class.items()
     )
 
 

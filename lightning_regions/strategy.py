@@ -1,9 +1,12 @@
-"""Lightning glue: strategies that compile regions in place inside ``model_to_device``.
+"""Lightning glue: the Trainer strategies, which plan the regions in ``model_to_device``
+and compile them in place there, or (``compile_in_background``) start the background
+compile there and compile at its switch, after an optimizer step.
 
 ``model_to_device`` is the one hook every Lightning strategy calls once per ``setup``.
 Right after ``super().model_to_device()`` the model is on its device and in its
 precision, DDP has not wrapped it yet and no optimizer holds its parameters, so
-in-place compilation changes nothing those later steps see but the forward.
+in-place compilation changes nothing those later steps see but the forward; compiling
+later, at a step boundary, is in place too and changes nothing either.
 """
 
 from __future__ import annotations
@@ -41,11 +44,28 @@ class RegionalCompileBase:
     (``first_step.FirstStepReporter``); with ``compile_in_background``, a fourth:
     ``background.BackgroundCompile``, made at each setup that trains."""
 
+    #: The name that registers the strategy, and its registry description.
+    strategy_name: str
+    description: str
+    #: Whether DDP wraps the module (its strategy sets it): then regions compile whole
+    #: (``environment.DDPGraphSplitOff``).
+    wraps_in_ddp = False
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register this class under ``strategy_name`` in ``strategy_registry`` (the
+        Trainer's ``StrategyRegistry`` or Fabric's ``STRATEGY_REGISTRY``)."""
+        strategy_registry.register(
+            cls.strategy_name, cls, description=cls.description, override=True
+        )
+
     def _init_regional(self, options: RegionalOptions) -> None:
         self.options = options
         self.compile_cache = CompileCache(options.cache_dir)
         self.environment = CompileEnvironment(
-            options.disable_training_kv_cache, options.unspecialize_module_ints
+            options.disable_training_kv_cache,
+            options.unspecialize_module_ints,
+            whole_graphs_under_ddp=self.wraps_in_ddp,
         )
         self.reporter = FirstStepReporter(options.recompile_warn_threshold)
         self.background: BackgroundCompile | None = None
@@ -271,6 +291,7 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
     """
 
     strategy_name = "regional_compile"
+    description = "Single device, repeated blocks compiled in place"
 
     def __init__(
         self,
@@ -308,16 +329,6 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
         self._device_from_trainer = devices[0]
         self._root_device = devices[0]
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Single device, repeated blocks compiled in place",
-            override=True,
-        )
-
 
 @takes_options(base=DDPStrategy.__init__)
 class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
@@ -332,24 +343,22 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
     """
 
     strategy_name = "regional_compile_ddp"
+    description = "DDP, repeated blocks compiled in place in each process"
+    wraps_in_ddp = True
 
     def __init__(self, **kwargs: Any) -> None:
         options, ddp_arguments = split_options(kwargs)
         super().__init__(**ddp_arguments)
         self._init_regional(options)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="DDP, repeated blocks compiled in place in each process",
-            override=True,
-        )
 
-
-def register() -> None:
-    """Make ``"regional_compile"`` and ``"regional_compile_ddp"`` Trainer strategy names."""
-    RegionalCompileStrategy.register_strategies(StrategyRegistry)
-    RegionalCompileDDPStrategy.register_strategies(StrategyRegistry)
+def register(*classes: type[RegionalCompileBase]) -> None:
+    """Make ``"regional_compile"`` and ``"regional_compile_ddp"`` (and the names of
+    ``classes``) Trainer strategy names."""
+    ours: tuple[type[RegionalCompileBase], ...] = (
+        RegionalCompileStrategy,
+        RegionalCompileDDPStrategy,
+        *classes,
+    )
+    for cls in ours:
+        cls.register_strategies(StrategyRegistry)

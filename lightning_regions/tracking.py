@@ -39,6 +39,7 @@ from .compat import (
     LAZY_FORWARD,
     LazyGraphModule,
     compile_wrapper,
+    current_frame_compile,
     dynamo_graph_break_exceptions,
     dynamo_original_callable,
     dynamo_reraised_exceptions,
@@ -89,8 +90,12 @@ class RegionStats:
     class_paths: tuple[str, ...] = ()
     #: Classes whose compile failure was warned about, shared by one tracker's regions.
     warned_classes: set[str] = field(default_factory=set)
-    #: The most compiled graphs one observed call ran: more than one means graph breaks.
+    #: The most compiled graphs one observed call ran, counting the pieces of one frame's
+    #: compile as one graph: more than one means graph breaks.
     graphs_per_call: int = 0
+    #: The most pieces one observed call ran: more than ``graphs_per_call`` where dynamo's
+    #: DDP optimizer split a frame's graph at gradient-bucket boundaries.
+    pieces_per_call: int = 0
     #: Frames torch compiled, or failed to, during the observed calls.
     frames: list[FrameCompile] = field(default_factory=list)
 
@@ -99,6 +104,7 @@ class RegionStats:
 class _RunningRegion:
     stats: RegionStats
     graphs_ran: int = 0
+    frame_compiles: set[object] = field(default_factory=set)  # of the graphs that ran
 
 
 #: The observed region calls in progress, innermost last.
@@ -175,14 +181,18 @@ class TrackingBackend:
         else:
             owner.graphs += 1
             owner.compile_seconds += time.perf_counter() - start
-        return self._counting(_real_forward(compiled), graph_nesting(gm))
+        frame = current_frame_compile()  # one per frame compile, shared by its pieces
+        return self._counting(_real_forward(compiled), graph_nesting(gm), frame)
 
-    def _counting(self, compiled: CompiledFn, nesting: GraphNesting) -> CompiledFn:
+    def _counting(
+        self, compiled: CompiledFn, nesting: GraphNesting, frame: object = None
+    ) -> CompiledFn:
         """Wrap ``compiled`` so a call marks the running region's call as compiled."""
         hook = GraphHook(compiled)
         backend = self
         self.graphs_compiled += 1
         number = self.graphs_compiled
+        frame = number if frame is None else frame
 
         # Dynamo calls a backend's result with positional arguments, boxed or not.
         def run(*args: Any) -> Any:
@@ -191,6 +201,7 @@ class TrackingBackend:
             if backend.observers:
                 if _RUNNING:
                     _RUNNING[-1].graphs_ran += 1
+                    _RUNNING[-1].frame_compiles.add(frame)
                     if _RUNNING[-1].stats.nested_regions:
                         _RUNNING[-1].stats.ran_graphs[number] = nesting
             else:
@@ -347,7 +358,9 @@ class ObservedRegion:
             _RUNNING.pop()
             self.stats.observed_calls += 1
             self.stats.compiled_calls += running.graphs_ran > 0
-            self.stats.graphs_per_call = max(self.stats.graphs_per_call, running.graphs_ran)
+            frames_ran = len(running.frame_compiles)
+            self.stats.graphs_per_call = max(self.stats.graphs_per_call, frames_ran)
+            self.stats.pieces_per_call = max(self.stats.pieces_per_call, running.graphs_ran)
             self.stats.frames.extend(self.frames.new_frames())
             if self.limit is not None and self.stats.observed_calls >= self.limit:
                 self.end()

@@ -11,7 +11,13 @@ TINY = {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16, "batch_size":
 def test_the_demo_table_has_every_row_and_shows_accelerates_failure():
     rows, table = build_table(backend="eager", size=TINY, steps=6)
     by_name = {row.name: row for row in rows}
-    assert list(by_name) == ["eager", "torch.compile", "accelerate", "lightning_regions"]
+    assert list(by_name) == [
+        "eager",
+        "torch.compile",
+        "accelerate",
+        "lightning_regions",
+        "background",
+    ]
     accelerate = by_name.pop("accelerate")
     assert accelerate.error == "AttributeError: 'TinyGPT' object has no attribute 'layers'"
     for row in by_name.values():
@@ -20,6 +26,11 @@ def test_the_demo_table_has_every_row_and_shows_accelerates_failure():
         assert row.ties_kept and row.aliases_kept and row.checkpoint_loads == "yes"
     assert "failed: AttributeError: 'TinyGPT' object has no attribute 'layers'" in table
     assert "lightning_regions reaches its first step in" in table
+    assert (
+        by_name["background"].compiled_from_step > 1
+        and by_name["lightning_regions"].compiled_from_step == 1
+    )
+    assert "background: the first step in" in table
 
 
 def rows(other_cores: float, uncertainty: float) -> list[Row]:

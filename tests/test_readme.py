@@ -90,6 +90,18 @@ def test_the_support_table_names_the_versions_ci_runs():
         assert versions and all(version in rows[name] for version in versions), name
 
 
+def test_the_options_table_is_made_from_options_py():
+    from lightning_regions.options import options_table
+
+    table = re.search(r"<!-- options -->\n(.*?)\n<!-- /options -->", README, re.DOTALL)
+    assert table, "no <!-- options --> block in README.md"
+    assert table.group(1) == options_table(), (
+        "README.md's options table differs from options.py: paste the output of "
+        "`python -c 'from lightning_regions.options import options_table; "
+        "print(options_table())'` between its options markers"
+    )
+
+
 def test_the_benchmark_readme_names_every_script_make_bench_runs():
     bench_target = (ROOT / "Makefile").read_text().split("\nbench:")[1].split("\n\n")[0]
     scripts = set(re.findall(r"benchmarks/(\w+\.py)", bench_target))

@@ -1,0 +1,236 @@
+"""Beyond one machine: two simulated nodes of one process, each with a cold node-local
+compile cache, training the depth-16 GPT (width 256, inductor on CPU, DDP over gloo).
+
+The nodes are launched as on a cluster without a scheduler (``NODE_RANK``, loopback
+``MASTER_ADDR``, one ``MASTER_PORT``, ``Trainer(num_nodes=2)``), each with its own empty
+``TORCHINDUCTOR_CACHE_DIR``. Ways:
+
+- ``torch.compile``: plain Lightning DDP with the GPT compiled whole;
+- ``lightning_regions``: ``RegionalCompileDDPStrategy()``, every process compiles;
+- ``one compile per job``: ``RegionalCompileDDPStrategy(compile_in_background=True)``:
+  one child on global rank 0 compiles, the artifacts reach node 1 over the process group;
+- ``one process, background``: the same on one node of one process, the reference for
+  the job's CPU time;
+- ``resume on fresh nodes``: the default mode resumed from a checkpoint (written by a
+  4-step run) on two nodes with new, empty caches.
+
+Per node: the first step (from the start of ``fit``), when compiled speed came (the end of
+the first step that ran compiled regions: step 1 for the foreground ways), and the CPU
+time of its process tree by then (its child and compile workers included); the job's CPU
+time is the nodes' sum. Also each node's FX-graph cache hits and misses. Medians over
+``--rounds``.
+
+    python benchmarks/multi_node.py [--rounds 2] [--steps 12]
+
+Writes ``multi_node.{json,md}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.compile_time import save_results  # noqa: E402
+
+WAYS = (
+    "torch.compile",
+    "lightning_regions",
+    "one compile per job",
+    "one process, background",
+    "resume on fresh nodes",
+)
+SIZE = {"block_size": 128, "n_layer": 16, "n_head": 4, "n_embd": 256}
+BATCH = 8
+LAUNCH = ("LOCAL_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_", "TORCHELASTIC")
+
+
+def train(way: str, steps: int, out: Path, phase: str = "") -> None:
+    """One node's run; writes its record to ``out/<phase>node<i>.json``."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from benchmarks.protocol import CpuClock
+    from examples.lightning_gpt import CharDataModule, GPTModule
+    from lightning_regions import RegionalCompileDDPStrategy, RegionalCompileStrategy
+    from lightning_regions.compat import cache_counts
+
+    nodes = 1 if way == "one process, background" else 2
+    data = CharDataModule(block_size=SIZE["block_size"], batch_size=BATCH)
+    module = GPTModule(vocab_size=data.vocab_size, **SIZE)
+    strategy: Any
+    if way == "torch.compile":
+        module.model.compile()
+        strategy = DDPStrategy(process_group_backend="gloo")
+    elif way == "one process, background":
+        strategy = RegionalCompileStrategy(compile_in_background=True)
+    else:
+        background = way == "one compile per job"
+        strategy = RegionalCompileDDPStrategy(
+            process_group_backend="gloo", compile_in_background=background
+        )
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.compiled: tuple[int, float, float] | None = None  # step, s, CPU s
+
+        def on_fit_start(self, *args: object) -> None:
+            self.start, self.cpu = time.perf_counter(), CpuClock()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            self.ends.append(time.perf_counter() - self.start)
+            waiting = getattr(trainer.strategy, "background", None)
+            step = len(self.ends)
+            if waiting is None or (waiting.switched and step > waiting.steps_eager):
+                if self.compiled is None:
+                    self.compiled = (step, self.ends[-1], self.cpu.seconds())
+                if step >= max(steps, self.compiled[0] + 2):
+                    trainer.should_stop = True
+
+    clock = Clock()
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        num_nodes=nodes,
+        max_steps=100_000 if phase != "first" else 4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[clock, checkpoints],
+    )
+    resume = str(out / "checkpoints" / "last.ckpt") if phase == "resumed" else None
+    trainer.fit(module, data, ckpt_path=resume)
+    step, at, cpu = clock.compiled or (0, 0.0, 0.0)
+    record = {
+        "first_step_s": clock.ends[0],
+        "compiled_step": step,
+        "compiled_s": at,
+        "compiled_cpu_s": cpu,
+        "cache": cache_counts(),
+        "children": len(getattr(getattr(strategy, "background", None), "pids", [])),
+        "threads": torch.get_num_threads(),
+    }
+    (out / f"{phase}node{trainer.node_rank}.json").write_text(json.dumps(record))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def launch(way: str, steps: int, out: Path, nodes: int, phase: str = "") -> list[dict]:
+    """Start ``nodes`` node processes (each with its own new cache) and wait for them."""
+    port = str(free_port())
+    started = []
+    for node in range(nodes):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH)}
+        env |= {"NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(out / f"cache-{phase}-node{node}")
+        command = [sys.executable, __file__, "--child", way, "--steps", str(steps)]
+        command += ["--child-out", str(out), "--phase", phase]
+        started.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE))
+    errors = [process.communicate()[1].decode()[-2000:] for process in started]
+    if any(process.returncode for process in started):
+        raise RuntimeError(f"{way} failed:\n" + "\n".join(errors))
+    return [json.loads((out / f"{phase}node{n}.json").read_text()) for n in range(nodes)]
+
+
+def one_round(steps: int) -> dict[str, list[dict]]:
+    runs = {}
+    for way in WAYS:
+        with tempfile.TemporaryDirectory(prefix="multi-node-") as folder:
+            out = Path(folder)
+            if way == "resume on fresh nodes":
+                launch("lightning_regions", steps, out, 2, "first")
+                runs[way] = launch("lightning_regions", steps, out, 2, "resumed")
+            else:
+                runs[way] = launch(way, steps, out, 1 if way.startswith("one process") else 2)
+        print(f"{way}: {runs[way]}", flush=True)
+    return runs
+
+
+def table(rounds: list[dict[str, list[dict]]]) -> str:
+    def median(way: str, node: int, key: str) -> float:
+        return statistics.median(r[way][node][key] for r in rounds)
+
+    def job_cpu(way: str) -> float:
+        return statistics.median(sum(n["compiled_cpu_s"] for n in r[way]) for r in rounds)
+
+    lines = [
+        "| way | node | first step s | compiled speed from step (s) | node CPU s by then "
+        "| FX-graph hits / misses | children |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for way in WAYS:
+        for node in range(len(rounds[0][way])):
+            lines.append(
+                f"| {way} | {node} | {median(way, node, 'first_step_s'):.1f} | "
+                f"{median(way, node, 'compiled_step'):.0f} "
+                f"({median(way, node, 'compiled_s'):.1f}) | "
+                f"{median(way, node, 'compiled_cpu_s'):.0f} | "
+                f"{_hits(rounds, way, node)} | {median(way, node, 'children'):.0f} |"
+            )
+    single, job = job_cpu("one process, background"), job_cpu("one compile per job")
+    lines += [
+        "",
+        f"- the job's CPU time to compiled speed, one compile per job: {job:.0f} s, against "
+        f"{single:.0f} s for one process: {job / single:.2f}x",
+        f"- every process compiling (lightning_regions): {job_cpu('lightning_regions'):.0f} s; "
+        f"whole-model torch.compile: {job_cpu('torch.compile'):.0f} s",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _hits(rounds: list[dict[str, list[dict]]], way: str, node: int) -> str:
+    hits = statistics.median(r[way][node]["cache"]["fx_graph_hits"] for r in rounds)
+    misses = statistics.median(r[way][node]["cache"]["fx_graph_misses"] for r in rounds)
+    return f"{hits:.0f} / {misses:.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--phase", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        train(args.child, args.steps, args.child_out, args.phase)
+        return
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rounds = [one_round(args.steps) for _ in range(args.rounds)]
+    markdown = (
+        f"Depth-16 GPT (width 256, batch {BATCH} x 128 tokens), two simulated nodes of one "
+        f"process on one machine (DDP over gloo, inductor on CPU), each with a new, empty "
+        f"node-local TORCHINDUCTOR_CACHE_DIR; medians of {args.rounds} round(s). Run "
+        f"{started} on {os.uname().machine}, {os.cpu_count()} cores (both nodes share "
+        f"them), torch {__import__('torch').__version__}. Command: `python "
+        f"benchmarks/multi_node.py --rounds {args.rounds}`.\n\n" + table(rounds)
+    )
+    save_results(args.out, "multi_node", "cpu", markdown, {"size": SIZE, "rounds": rounds})
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
