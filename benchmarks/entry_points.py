@@ -44,7 +44,9 @@ def run(way: str, entry: str) -> dict[str, Any]:
     data.setup("fit")
     loader = data.train_dataloader()
     module = GPTModule(vocab_size=data.vocab_size, **SIZE)
-    strategy: Any = "auto" if way == "eager" else RegionalCompileStrategy(compile_in_background=True)
+    strategy: Any = (
+        "auto" if way == "eager" else RegionalCompileStrategy(compile_in_background=True)
+    )
 
     class Clock(pl.Callback):
         def __init__(self) -> None:

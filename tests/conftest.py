@@ -21,6 +21,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 #: them running a long file alone at the end. Only the order changes, never a result; a
 #: file not named here runs after these, in pytest's order.
 LONGEST_FILES_FIRST = (
+    "test_multi_node.py",
+    "test_background_inductor.py",
     "test_nested.py",
     "test_fsdp.py",
     "test_diagnosis.py",
