@@ -187,7 +187,7 @@ class BackgroundCompile:
         self.unshipped: dict[int, str] = {}  # region index: why it cannot ship
         self.failure = ""
         self.child: Child | None = None
-        #: What each finished child compiled: cache artifacts, and kernel files by path.
+        #: What the last finished child compiled or found: cache artifacts, kernel files.
         self.artifacts: list[tuple[bytes, dict[str, bytes]]] = []
         self.pids: list[int] = []  # every child this process started
         self.child_seconds: float | None = None
@@ -286,8 +286,8 @@ class BackgroundCompile:
                 return True
             self.child_seconds = (self.child_seconds or 0.0) + float(done.get("seconds", 0.0))
             saved = self.child.artifacts()
-            if saved is not None:
-                self.artifacts.append(saved)
+            if saved is not None:  # a later child replays every call: its artifacts hold all
+                self.artifacts = [saved]
             self.child.stop()
             self.child = None
         if self.failure:
