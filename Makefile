@@ -61,6 +61,8 @@ bench: install
 	$(PY) benchmarks/background_compile.py
 	$(PY) benchmarks/ddp_split.py
 	$(PY) benchmarks/multi_node.py
+	$(PY) benchmarks/entry_points.py
+	$(PY) benchmarks/demo_noise.py
 
 # On a GPU machine: its own python3 and this source tree, nothing installed. Here the
 # venv's python, which finds no GPU and says so.
