@@ -250,12 +250,14 @@ def figures(record: dict[str, Any]) -> dict[str, float]:
     out = {f"step_{n}": ends[n - 1] for n in MARKS if len(ends) >= n}
     out["cpu"] = record["cpu_seconds"]
     out["longest_later"] = max(durations[1:])
-    switched = record.get("steps_eager")  # steps 1..k eager; step k+1 compiled in place
+    # steps 1..k ran eager; step k's optimizer step ended in the switch (the regions
+    # compiled in place, warm); step k + 1 is the first compiled one
+    switched = record.get("steps_eager")
     if switched is not None and len(durations) > switched:
-        eager = statistics.median(durations[1:switched]) if switched > 1 else durations[0]
-        out["stall"] = durations[switched] - eager
+        eager = statistics.median(durations[1 : switched - 1]) if switched > 2 else durations[0]
+        out["stall"] = durations[switched - 1] - eager
         out["switch_step"] = float(switched + 1)
-        out["longest_after_switch"] = max(durations[switched + 1 :], default=0.0)
+        out["longest_after_switch"] = max(durations[switched:], default=0.0)
     after = switched or 1
     later = [seconds for step, seconds in record["validations"] if step > after]
     if later:
@@ -275,7 +277,7 @@ def table(rounds: list[dict[str, dict]], ways: list[str]) -> str:
 
     lines = [
         "| way | first step s | to step 10 s | to step 100 s | longest later step s | "
-        "switch stall s | switched at step | 1st validation after switch / last s | "
+        "switch stall s | first compiled step | 1st validation after switch / last s | "
         "CPU s of the job |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -305,13 +307,13 @@ def verdicts(rounds: list[dict[str, dict]], ways: list[str], median: Any) -> lis
         default=0.0,
     )
     for way in [w for w in ways if w.startswith("background")]:
-        first, longest = median(way, "step_1"), median(way, "longest_after_switch")
+        first, longest = median(way, "step_1"), median(way, "longest_later")
         validation = median(way, "first_validation")
         if None in (eager, default, first, longest, validation):
             continue
         checks = [
             ("first step", first, 1.5 * eager + 1, "1.5 x eager's + 1 s"),
-            ("longest step after it", longest, 0.25 * default, "0.25 x the default's first"),
+            ("longest step after the first", longest, 0.25 * default, "0.25 x the default's first"),
             ("first validation after the switch", validation, 1.5 * warm, "1.5 x a warm one"),
         ]
         for name, value, limit, rule in checks:

@@ -198,6 +198,7 @@ class BackgroundCompile:
         self.created = time.perf_counter()
         #: torch's cache counters when the regions compiled in place (``compat.cache_counts``).
         self.counts_at_switch: dict[str, int] = {}
+        self._threads_lent: int | None = None  # intra-op threads before a child started
         self._order = itertools.count()
         self._hooks = [
             region.module.register_forward_pre_hook(self._recorder(index), with_kwargs=True)
@@ -288,8 +289,7 @@ class BackgroundCompile:
             saved = self.child.artifacts()
             if saved is not None:  # a later child replays every call: its artifacts hold all
                 self.artifacts = [saved]
-            self.child.stop()
-            self.child = None
+            self._end_child()
         if self.failure:
             return True
         if all(key in self.shipped for key in self.calls):
@@ -321,6 +321,25 @@ class BackgroundCompile:
             return
         self.child = Child.start(payload)
         self.pids.append(self.child.process.pid)
+        self._share_cores()
+
+    def _share_cores(self) -> None:
+        """While a child compiles beside it, this process runs its eager steps on half its
+        intra-op threads (at least one): with all of them, each parallel op of an eager
+        step waits for a thread that the child's compile holds off its core
+        (``benchmarks/results/background_compile.md``, before and after)."""
+        if self._threads_lent is None:
+            self._threads_lent = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._threads_lent // 2))
+
+    def _end_child(self) -> None:
+        """Stop the child, if any, and give this process its threads back."""
+        if self.child is not None:
+            self.child.stop()
+            self.child = None
+        if self._threads_lent is not None:
+            torch.set_num_threads(self._threads_lent)
+            self._threads_lent = None
 
     def _outcome(self, processes: Processes) -> Outcome:
         unshipped = tuple(
@@ -386,9 +405,7 @@ class BackgroundCompile:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self.child is not None:
-            self.child.stop()
-            self.child = None
+        self._end_child()
         atexit.unregister(self.stop)
 
     @property

@@ -42,10 +42,14 @@ def is_running(pid: int) -> bool:
 def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStrategy:
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True, **options)
     wait = WaitForTheSwitch(after=3)
+    threads = torch.get_num_threads()
     trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours_model, data())
     trainer(tmp_path, "auto", len(ours_model.losses)).fit(plain_model, data())
     assert ours_model.losses == pytest.approx(plain_model.losses, rel=1e-5)
     assert wait.pids and not any(map(is_running, wait.pids))  # no child outlives the Trainer
+    # half the intra-op threads while a child compiles beside the eager steps, then all
+    assert wait.threads == {"while a child ran": {max(1, threads // 2)}, "after": {threads}}
+    assert torch.get_num_threads() == threads
     assert strategy.background.process is None
     return strategy
 
