@@ -147,4 +147,4 @@ def test_other_programs_load_is_seen_and_ours_is_not():
 def test_a_disturbed_measurement_says_why_and_a_quiet_one_says_nothing():
     assert protocol.disturbance([0.01, None], [0.05]) is None
     assert "other programs used up to 1.2 of" in protocol.disturbance([0.01, 1.2], [])
-    assert "a median uncertain by up to +-30% (limit 5%)" in protocol.disturbance([], [0.3])
+    assert "a median uncertain by up to +-30% (limit 10%)" in protocol.disturbance([], [0.3])
