@@ -163,7 +163,7 @@ class Outcome:
 
     failure: str = ""  # why the regions compile in the training process instead
     unshipped: tuple[str, ...] = ()  # regions that compile there, each with its reason
-    artifacts: tuple[dict[str, Any], ...] = ()  # each child's, signed, for the others
+    artifacts: tuple[dict[str, Any], ...] = ()  # the last child's (none or one), signed
     child_seconds: float | None = None
 
 
@@ -187,8 +187,9 @@ class BackgroundCompile:
         self.unshipped: dict[int, str] = {}  # region index: why it cannot ship
         self.failure = ""
         self.child: Child | None = None
-        #: What the last finished child compiled or found: cache artifacts, kernel files.
-        self.artifacts: list[tuple[bytes, dict[str, bytes]]] = []
+        #: What the last finished child compiled or found (a later child replays every
+        #: call, so its artifacts hold all): cache artifacts and kernel files by path.
+        self.artifacts: tuple[bytes, dict[str, bytes]] | None = None
         self.pids: list[int] = []  # every child this process started
         self.child_seconds: float | None = None
         self.outcome: Outcome | None = None
@@ -286,9 +287,7 @@ class BackgroundCompile:
                 self.failure = str(done.get("error"))
                 return True
             self.child_seconds = (self.child_seconds or 0.0) + float(done.get("seconds", 0.0))
-            saved = self.child.artifacts()
-            if saved is not None:  # a later child replays every call: its artifacts hold all
-                self.artifacts = [saved]
+            self.artifacts = self.child.artifacts() or self.artifacts
             self._end_child()
         if self.failure:
             return True
@@ -346,11 +345,8 @@ class BackgroundCompile:
             f"{self.plan.regions[index].label}: {why}" for index, why in self.unshipped.items()
         )
         artifacts: tuple[dict[str, Any], ...] = ()
-        if not self.failure and _several(processes):
-            artifacts = tuple(
-                sign_artifacts(self.artifact_guard, saved, kernels)
-                for saved, kernels in self.artifacts
-            )
+        if not self.failure and _several(processes) and self.artifacts is not None:
+            artifacts = (sign_artifacts(self.artifact_guard, *self.artifacts),)
         return Outcome(self.failure, unshipped, artifacts, self.child_seconds)
 
     def _warn(self, outcome: Outcome) -> None:

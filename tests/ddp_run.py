@@ -39,7 +39,7 @@ def main(mode: str, out: Path) -> None:
     else:
         strategy = "ddp"
     long = mode in ("background", "eager_long")  # long enough for the child to finish
-    waiting = [WaitForTheSwitch(0.25)] if mode == "background" else []
+    waiting = [WaitForTheSwitch(0.5)] if mode == "background" else []  # 60 s for the child
     trainer = make_trainer(
         None, strategy, BACKGROUND_STEPS if long else 3, [TiedWeightsCheck(), *waiting], devices=2
     )
