@@ -239,6 +239,7 @@ class BackgroundCompile:
         self.steps_eager += 1
         ready = self._advance() if processes.is_global_zero else True
         if not processes.reduce_boolean_decision(ready, all=True):
+            self._share_cores()  # rank 0's child compiles: every rank keeps its pace
             return False
         outcome = self._outcome(processes) if processes.is_global_zero else None
         self.outcome = outcome = processes.broadcast(outcome, src=0)
@@ -323,10 +324,13 @@ class BackgroundCompile:
         self._share_cores()
 
     def _share_cores(self) -> None:
-        """While a child compiles beside it, this process runs its eager steps on half its
+        """While the job's child compiles, this process runs its eager steps on half its
         intra-op threads (at least one): with all of them, each parallel op of an eager
         step waits for a thread that the child's compile holds off its core
-        (``benchmarks/results/background_compile.md``, before and after)."""
+        (``benchmarks/results/background_compile.md``, before and after). Every process
+        of the job does so until the switch: the steps go in lockstep at the pace of
+        rank 0, whose eager steps share its cores with the child, and a rank beside the
+        child on one node would take its cores too (``multi_node.md``)."""
         if self._threads_lent is None:
             self._threads_lent = torch.get_num_threads()
             torch.set_num_threads(max(1, self._threads_lent // 2))

@@ -55,6 +55,7 @@ def main(mode: str, out: Path) -> None:
         payload["switched"] = background.switched and not background.failure
         payload["child_left"] = background.process is not None
         payload["children"] = len(background.pids)
+        payload["threads"] = waiting[0].threads
     if mode == "nested":
         rows = region_report(model).nested
         payload["nested_calls"] = sum(row.nested_calls for row in rows)

@@ -80,8 +80,9 @@ class WaitForTheSwitch(pl.Callback):
         self.counts: dict[str, dict[str, int]] = {}  # "training", "validation": since switch
         self.switch_step: int | None = None
         self._before: dict[str, int] = {}
-        #: torch's intra-op threads at the end of steps "while a child ran" and "after" it
-        self.threads: dict[str, set[int]] = {"while a child ran": set(), "after": set()}
+        #: torch's intra-op threads at the end of steps "before the switch" (the job's
+        #: child compiled) and "after" it
+        self.threads: dict[str, set[int]] = {"before the switch": set(), "after": set()}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         from lightning_regions.compat import cache_counts
@@ -90,8 +91,8 @@ class WaitForTheSwitch(pl.Callback):
         if background is None:
             return
         self.pids = list(dict.fromkeys([*self.pids, *background.pids]))
-        running = background.process is not None
-        self.threads["while a child ran" if running else "after"].add(torch.get_num_threads())
+        when = "after" if background.switched else "before the switch"
+        self.threads[when].add(torch.get_num_threads())
         if not background.switched:
             time.sleep(self.seconds)
             return

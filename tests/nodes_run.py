@@ -194,6 +194,7 @@ def scenario(name: str, out: Path, devices: int) -> dict[str, Any]:
             "running": [pid for pid in wait.pids if is_running(pid)],
             "steps_eager": background.steps_eager,
             "counts": wait.counts,
+            "threads": {when: sorted(counts) for when, counts in wait.threads.items()},
         }
     elif name in ("resume", "fsdp_resume"):
         checkpoints = out / f"{name}_checkpoints"

@@ -48,7 +48,7 @@ def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStr
     assert ours_model.losses == pytest.approx(plain_model.losses, rel=1e-5)
     assert wait.pids and not any(map(is_running, wait.pids))  # no child outlives the Trainer
     # half the intra-op threads while a child compiles beside the eager steps, then all
-    assert wait.threads == {"while a child ran": {max(1, threads // 2)}, "after": {threads}}
+    assert wait.threads == {"before the switch": {max(1, threads // 2)}, "after": {threads}}
     assert torch.get_num_threads() == threads
     assert strategy.background.process is None
     return strategy

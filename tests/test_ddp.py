@@ -49,6 +49,9 @@ def test_background_compile_runs_one_child_and_switches_every_rank_at_one_step(t
     assert background[0]["steps_eager"] == background[1]["steps_eager"] >= 1
     assert [rank["children"] for rank in background] == [1, 0]  # one child in the whole job
     assert all(rank["compiled"] for rank in background)
+    for rank in background:  # both ranks lend half their threads to rank 0's child
+        (after,) = rank["threads"]["after"]
+        assert rank["threads"]["before the switch"] == {max(1, after // 2)}
     for rank in range(2):
         assert background[rank]["losses"] == pytest.approx(eager_long[rank]["losses"], rel=1e-5)
     for name, value in background[0]["params"].items():

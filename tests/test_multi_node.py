@@ -80,6 +80,9 @@ def test_one_compile_serves_the_whole_job(nodes):
         assert counts["fx_graph_misses"] == 0 and counts["aot_autograd_misses"] == 0, counts
         assert counts["fx_graph_hits"] >= 2 and result["running"] == []
         assert result["warnings"] == [] and result["ties_intact"]
+        # every node lends half its threads while the job's child compiles, not only node 0
+        (after,) = result["threads"]["after"]
+        assert result["threads"]["before the switch"] == [max(1, after // 2)]
     default = ranks(nodes, "resume")  # its first run: the default mode, from a cold start
     for rank, result in enumerate((node0, node1)):
         assert result["losses"][:4] == pytest.approx(default[rank]["first_losses"], rel=1e-4)
