@@ -6,11 +6,10 @@ tensors of the recorded metadata, forward and backward for a training call, into
 torch's caches (the ``TORCHINDUCTOR_CACHE_DIR`` it inherits). Then it writes the cache
 artifacts of everything it compiled (``torch.compiler.save_cache_artifacts``) to
 ``FOLDER/artifacts.bin`` for the job's other processes, with the paths of the C++ kernel
-files it loaded (``cache.loaded_kernel_files``) in ``FOLDER/kernels.json``, and
-``FOLDER/result.json``:
-``{"ok": true, "seconds": ...}``, or ``{"ok": false, "error": ...}``: failures are
-reported as data, as torch's compile workers do. It exits when the training process is
-gone.
+files it loaded and of torch's instruction-set probes (``cache.kernel_files_to_ship``)
+in ``FOLDER/kernels.json``, and ``FOLDER/result.json``: ``{"ok": true, "seconds": ...}``,
+or ``{"ok": false, "error": ...}``: failures are reported as data, as torch's compile
+workers do. It exits when the training process is gone.
 
 One region's weights and activations exist at a time, each made on the device of its
 recorded call just before the call and freed after it: the child never holds a copy of
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import loaded_kernel_files
+from .cache import kernel_files_to_ship
 from .compat import inductor_cache_dir, tree_flatten
 from .regions import find_regions
 from .shipment import RegionCall, Shipment, materialize, release, unpack
@@ -116,7 +115,7 @@ def main(folder: str) -> int:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
             (where / ARTIFACTS).write_bytes(saved[0])
-        kernels = sorted(loaded_kernel_files(inductor_cache_dir()))
+        kernels = sorted(kernel_files_to_ship(inductor_cache_dir()))
         (where / KERNELS).write_text(json.dumps(kernels))
     except BaseException as error:  # every failure goes back to the training process
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}

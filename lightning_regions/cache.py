@@ -44,6 +44,7 @@ from .compat import (
     clear_inductor_caches,
     default_inductor_cache_dir,
     inductor_cache_dir,
+    isa_probe_sources,
     registered_artifact_types,
 )
 
@@ -131,6 +132,37 @@ def loaded_kernel_files(cache_root: str) -> dict[str, bytes]:
         if KERNEL_FILE.fullmatch(relative) and relative not in found:
             found[relative] = Path(path).read_bytes()
     return found
+
+
+def isa_probe_files(cache_root: str) -> dict[str, bytes]:
+    """The libraries of inductor's instruction-set probes in ``cache_root`` (named as
+    kernels, beside a ``.cpp`` that is a probe's source), by relative path. Their names
+    hash the compiler's version, the flags and torch's version, so a node with another
+    compiler never finds them; a node that finds them skips g++ for each (12.6 s on this
+    2-core CPU) and still runs torch's load check on them."""
+    sources = isa_probe_sources()
+    root = Path(cache_root)
+    found: dict[str, bytes] = {}
+    if not sources or not root.is_dir():
+        return found
+    for library in root.glob("*/c*.so"):
+        relative = library.relative_to(root).as_posix()
+        source = library.with_suffix(".cpp")
+        if not KERNEL_FILE.fullmatch(relative) or not source.is_file():
+            continue
+        if source.stat().st_size <= PROBE_SOURCE_LIMIT and source.read_text() in sources:
+            found[relative] = library.read_bytes()
+    return found
+
+
+#: The largest probe source worth reading (torch's are a few hundred bytes).
+PROBE_SOURCE_LIMIT = 4096
+
+
+def kernel_files_to_ship(cache_root: str) -> dict[str, bytes]:
+    """What travels beside this process's compile artifacts: the kernel libraries it
+    loaded and the instruction-set probes its cache holds."""
+    return loaded_kernel_files(cache_root) | isa_probe_files(cache_root)
 
 
 def kernel_landing(relative: object, cache_root: str) -> str:
@@ -349,7 +381,7 @@ def pack_artifacts(guard: dict[str, str]) -> dict[str, Any] | None:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
-    return sign_artifacts(guard, saved[0], loaded_kernel_files(inductor_cache_dir()))
+    return sign_artifacts(guard, saved[0], kernel_files_to_ship(inductor_cache_dir()))
 
 
 def sign_artifacts(

@@ -305,6 +305,23 @@ def registered_artifact_types() -> set[str]:
     return set(CacheArtifactFactory._artifact_types)
 
 
+def isa_probe_sources() -> set[str]:
+    """The C++ sources of inductor's CPU instruction-set probes (``VecISA`` subclasses'
+    ``_*_code``): a process with a fresh cache directory builds each with g++ before its
+    first CPU kernel, cached or not. Empty where this torch names them otherwise."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return set()
+    sources = set()
+    for cls in vars(cpu_vec_isa).values():
+        if isinstance(cls, type) and issubclass(cls, getattr(cpu_vec_isa, "VecISA", ())):
+            for name, value in vars(cls).items():
+                if name.startswith("_") and name.endswith("_code") and isinstance(value, str):
+                    sources.add(value)
+    return sources
+
+
 def dynamo_config() -> Any:
     """``torch._dynamo.config``, the module whose flags we read and set."""
     return torch._dynamo.config

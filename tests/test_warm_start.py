@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from lightning_regions.cache import CHECKPOINT_KEY, isa_probe_files
+from lightning_regions.compat import isa_probe_sources
 
 SCRIPT = Path(__file__).parent.parent / "examples" / "resume_run.py"
 
@@ -56,8 +60,25 @@ def test_runs_with_other_roots_share_torchs_cache_and_checkpoints_carry_what_the
     assert files_below(shared) and files_below(tmp_path / "empty")
     assert not (Path(os.environ["XDG_CACHE_HOME"]) / "lightning_regions").exists()
     assert sorted(os.listdir(tmp_path / "trial_2")) == ["epoch=1-step=2.ckpt", "last.ckpt"]
+    # torch's instruction-set probes travel with the kernels, so the empty cache's first
+    # kernel needs no g++ run (12.6 s here): the checkpoint holds them, they landed
+    probes = isa_probe_files(str(shared))
+    carried = torch.load(checkpoint, weights_only=False)[CHECKPOINT_KEY]["kernels"]
+    assert probes and probes.items() <= carried.items()
+    assert probes.items() <= isa_probe_files(str(tmp_path / "empty")).items()
     seconds = [run["first_step_s"] for run in (trial_1, trial_2, from_artifacts, another_user)]
     print(
         "first step (s): trial 1 {:.1f}, trial 2 (another root) {:.1f}, resumed from "
         "artifacts {:.1f}, another user's artifacts {:.1f}".format(*seconds)
     )
+
+
+def test_isa_probes_are_found_by_their_source_and_kernels_are_not(tmp_path):
+    probe_source = sorted(isa_probe_sources())[0]
+    (tmp_path / "ab").mkdir()
+    for name, source in (("cprobe", probe_source), ("ckernel", "extern void kernel();")):
+        (tmp_path / "ab" / f"{name}.cpp").write_text(source)
+        (tmp_path / "ab" / f"{name}.so").write_bytes(name.encode())
+    (tmp_path / "ab" / "cnosource.so").write_bytes(b"a library without its source")
+    assert isa_probe_files(str(tmp_path)) == {"ab/cprobe.so": b"cprobe"}
+    assert isa_probe_files(str(tmp_path / "missing")) == {}
