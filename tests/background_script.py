@@ -13,7 +13,6 @@ and whether any still runs, and the warnings given.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ from torch import nn
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from helpers import WaitForTheSwitch, trainer  # noqa: E402
+from helpers import WaitForTheSwitch, is_running, trainer  # noqa: E402
 
 from lightning_regions import RegionalCompileStrategy  # noqa: E402
 
@@ -88,14 +87,6 @@ def batches() -> torch.utils.data.DataLoader:
     """8 batches an epoch, the last of 2 sequences (a variable last batch)."""
     tokens = torch.randint(0, VOCAB, (30, LENGTH + 1), generator=torch.Generator().manual_seed(0))
     return torch.utils.data.DataLoader(tokens, batch_size=4)
-
-
-def is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def train_both(block: type[nn.Module], root: str) -> dict:

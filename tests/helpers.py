@@ -66,6 +66,15 @@ class SeenCacheDir(pl.Callback):
         self.directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
+def is_running(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a child that should have ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class WaitForTheSwitch(pl.Callback):
     """Slow the eager steps of ``compile_in_background=True`` down until the regions
     switched, so the switch comes within a short run on a loaded machine; record every

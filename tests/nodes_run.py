@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from helpers import WaitForTheSwitch  # noqa: E402
+from helpers import WaitForTheSwitch, is_running  # noqa: E402
 from helpers import trainer as make_trainer  # noqa: E402
 
 from lightning_regions import (  # noqa: E402
@@ -140,14 +140,6 @@ def fit(
 
 def ddp(**options: Any) -> RegionalCompileDDPStrategy:
     return RegionalCompileDDPStrategy(process_group_backend="gloo", **options)
-
-
-def is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class KillTheChild(pl.Callback):

@@ -17,7 +17,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import WaitForTheSwitch, data, gpt, seeded_stack, trainer, vectors
+from helpers import WaitForTheSwitch, data, gpt, is_running, seeded_stack, trainer, vectors
 from torch import nn
 
 from lightning_regions import (
@@ -29,14 +29,6 @@ from lightning_regions.background import BackgroundCompileWarning
 
 #: The most steps a run that waits for the switch may take; it stops 3 steps after it.
 STEPS = 1000
-
-
-def is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStrategy:
