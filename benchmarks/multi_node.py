@@ -206,6 +206,11 @@ def table(rounds: list[dict[str, list[dict]]]) -> str:
         for way in ("one compile per job", "one process, background")
     }
     own = {way: job_cpu(way) - work[way] for way in work}
+    node_1_own = statistics.median(
+        r["one compile per job"][1]["compiled_cpu_s"]
+        - r["one compile per job"][1]["children_cpu_s"]
+        for r in rounds
+    )
     lines += [
         "",
         f"- the job's CPU time to compiled speed, one compile per job: {job:.0f} s, against "
@@ -217,6 +222,10 @@ def table(rounds: list[dict[str, list[dict]]]) -> str:
         f"- of it, the training processes' own (their eager steps until the switch, on every "
         f"node, and loading the compiled regions): {own['one compile per job']:.0f} s "
         f"against {own['one process, background']:.0f} s for one process",
+        f"- node 1's own CPU alone (eager steps until the switch, and loading): "
+        f"{node_1_own:.0f} s, {node_1_own / single:.2f}x "
+        "the one-process run's whole: while every node trains eager until the switch, the "
+        "job's CPU is about the one-process run's plus that at best, however cheap the compile",
         f"- every process compiling (lightning_regions): {job_cpu('lightning_regions'):.0f} s; "
         f"whole-model torch.compile: {job_cpu('torch.compile'):.0f} s",
     ]
