@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from importlib.metadata import version
 from pathlib import Path
 
 from compile_time import save_results
@@ -69,12 +72,15 @@ def main() -> None:
     model_args = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
     model_args += ["--block-size", "64", "--accelerator", accelerator(args.device)]
 
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs = [one_repeat(model_args) for _ in range(args.repeats)]
     kinds = ("cold", "warm_directory", "checkpoint_artifacts")
     first = {k: statistics.median(run[k]["first_step_s"] for run in runs) for k in kinds}
     lines = [
         f"Tiny GPT ({args.n_layer} blocks, width {args.n_embd}), inductor on {args.device}, "
-        f"medians of {args.repeats} repeat(s), every start in its own process.",
+        f"medians of {args.repeats} repeat(s), every start in its own process. Run {started} "
+        f"on {os.uname().machine}, {os.cpu_count()} cores, torch {version('torch')}. "
+        f"Command: `python benchmarks/warm_start.py --repeats {args.repeats}`.",
         "",
         "| start | first step (s) | vs cold | inductor graph cache hits / misses |",
         "|---|---|---|---|",
