@@ -3,7 +3,8 @@ each, node-local caches; ``tests/nodes_run.py``), with blocks of about 1M parame
 DDP's gradient buckets cut: DDP and FSDP2 train as plain Lightning does, the tie check
 passes, DDP's graph split is reported as what it is, one compile serves the whole job,
 a resume on cold nodes is warm on each, and the faults (artifacts refused on one node, a
-slow child, a dead child) leave the job training, warned once, nothing running."""
+slow child, a dead child) leave the job training, warned once, nothing running. Two nodes
+of two processes (slow-marked): DDP as plain Lightning, and one compile for all four."""
 
 from __future__ import annotations
 
@@ -126,3 +127,19 @@ def test_two_nodes_of_two_processes_train_as_plain_lightning(tmp_path):
     for rank in range(4):
         assert regional[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-5)
         assert regional[rank]["ties_intact"] and regional[rank]["warnings"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_one_compile_serves_two_nodes_of_two_processes(tmp_path):
+    run_nodes([sys.executable, str(SCRIPT), str(tmp_path), "2", "background"], timeout=1500)
+    processes = ranks(tmp_path, "background", 4)
+    assert [result["children"] for result in processes] == [1, 0, 0, 0]  # one in the job
+    assert len({result["steps_eager"] for result in processes}) == 1  # one switch step
+    for result in processes:
+        counts = result["counts"]["after_switch"]
+        assert counts["fx_graph_misses"] == 0 and counts["fx_graph_hits"] >= 2, counts
+        assert result["warnings"] == [] and result["running"] == []
+        # rank 1 shares node 0 with the child: it lends half its threads too
+        (after,) = result["threads"]["after"]
+        assert result["threads"]["before the switch"] == [max(1, after // 2)]
