@@ -11,6 +11,9 @@ The nodes are launched as on a cluster without a scheduler (``NODE_RANK``, loopb
   one child on global rank 0 compiles, the artifacts reach node 1 over the process group;
 - ``one process, background``: the same on one node of one process, the reference for
   the job's CPU time;
+- ``one node of two processes, background``: the same on one node of two processes
+  (``devices=2``), where rank 1 shares the node with rank 0's child (rank 0's CPU is its
+  process tree, rank 1's included);
 - ``resume on fresh nodes``: the default mode resumed from a checkpoint (written by a
   4-step run) on two nodes with new, empty caches.
 
@@ -50,15 +53,18 @@ WAYS = (
     "lightning_regions",
     "one compile per job",
     "one process, background",
+    "one node of two processes, background",
     "resume on fresh nodes",
 )
+#: Simulated nodes and processes per node of each way (the others: 2 nodes of 1).
+SHAPES = {"one process, background": (1, 1), "one node of two processes, background": (1, 2)}
 SIZE = {"block_size": 128, "n_layer": 16, "n_head": 4, "n_embd": 256}
 BATCH = 8
 LAUNCH = ("LOCAL_RANK", "RANK", "GROUP_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_", "TORCHELASTIC")
 
 
 def train(way: str, steps: int, out: Path, phase: str = "") -> None:
-    """One node's run; writes its record to ``out/<phase>node<i>.json``."""
+    """One process's run; writes its record to ``out/<phase>rank<i>.json``."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.strategies import DDPStrategy
@@ -68,7 +74,7 @@ def train(way: str, steps: int, out: Path, phase: str = "") -> None:
     from lightning_regions import RegionalCompileDDPStrategy, RegionalCompileStrategy
     from lightning_regions.compat import cache_counts
 
-    nodes = 1 if way == "one process, background" else 2
+    nodes, devices = SHAPES.get(way, (2, 1))
     data = CharDataModule(block_size=SIZE["block_size"], batch_size=BATCH)
     module = GPTModule(vocab_size=data.vocab_size, **SIZE)
     strategy: Any
@@ -77,6 +83,10 @@ def train(way: str, steps: int, out: Path, phase: str = "") -> None:
         strategy = DDPStrategy(process_group_backend="gloo")
     elif way == "one process, background":
         strategy = RegionalCompileStrategy(compile_in_background=True)
+    elif way == "one node of two processes, background":
+        strategy = RegionalCompileDDPStrategy(
+            process_group_backend="gloo", compile_in_background=True
+        )
     else:
         background = way == "one compile per job"
         strategy = RegionalCompileDDPStrategy(
@@ -108,7 +118,7 @@ def train(way: str, steps: int, out: Path, phase: str = "") -> None:
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         num_nodes=nodes,
         max_steps=100_000 if phase != "first" else 4,
         limit_val_batches=0,
@@ -122,7 +132,12 @@ def train(way: str, steps: int, out: Path, phase: str = "") -> None:
     resume = str(out / "checkpoints" / "last.ckpt") if phase == "resumed" else None
     trainer.fit(module, data, ckpt_path=resume)
     step, at, cpu, children_cpu = clock.compiled or (0, 0.0, 0.0, 0.0)
+    ends = [0.0, *clock.ends]  # ends[i]: the end of step i
     record = {
+        "node": trainer.node_rank,
+        "rank": trainer.global_rank,
+        # the step whose optimizer step ended in the switch (the stall), background only
+        "switch_step_s": ends[step - 1] - ends[step - 2] if step >= 2 else None,
         "first_step_s": clock.ends[0],
         "compiled_step": step,
         "compiled_s": at,
@@ -132,7 +147,7 @@ def train(way: str, steps: int, out: Path, phase: str = "") -> None:
         "children": len(getattr(getattr(strategy, "background", None), "pids", [])),
         "threads": torch.get_num_threads(),
     }
-    (out / f"{phase}node{trainer.node_rank}.json").write_text(json.dumps(record))
+    (out / f"{phase}rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 def own_cpu_seconds() -> float:
@@ -147,8 +162,10 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def launch(way: str, steps: int, out: Path, nodes: int, phase: str = "") -> list[dict]:
-    """Start ``nodes`` node processes (each with its own new cache) and wait for them."""
+def launch(way: str, steps: int, out: Path, phase: str = "") -> list[dict]:
+    """Start the way's node processes (each node with its own new cache), wait for them
+    and return every process's record, by global rank."""
+    nodes, devices = SHAPES.get(way, (2, 1))
     port = str(free_port())
     started = []
     for node in range(nodes):
@@ -161,45 +178,61 @@ def launch(way: str, steps: int, out: Path, nodes: int, phase: str = "") -> list
     errors = [process.communicate()[1].decode()[-2000:] for process in started]
     if any(process.returncode for process in started):
         raise RuntimeError(f"{way} failed:\n" + "\n".join(errors))
-    return [json.loads((out / f"{phase}node{n}.json").read_text()) for n in range(nodes)]
+    ranks = range(nodes * devices)
+    return [json.loads((out / f"{phase}rank{r}.json").read_text()) for r in ranks]
 
 
-def one_round(steps: int) -> dict[str, list[dict]]:
+def one_round(steps: int, ways: list[str]) -> dict[str, list[dict]]:
     runs = {}
-    for way in WAYS:
+    for way in ways:
         with tempfile.TemporaryDirectory(prefix="multi-node-") as folder:
             out = Path(folder)
             if way == "resume on fresh nodes":
-                launch("lightning_regions", steps, out, 2, "first")
-                runs[way] = launch("lightning_regions", steps, out, 2, "resumed")
+                launch("lightning_regions", steps, out, "first")
+                runs[way] = launch("lightning_regions", steps, out, "resumed")
             else:
-                runs[way] = launch(way, steps, out, 1 if way.startswith("one process") else 2)
+                runs[way] = launch(way, steps, out)
         print(f"{way}: {runs[way]}", flush=True)
     return runs
 
 
 def table(rounds: list[dict[str, list[dict]]]) -> str:
-    def median(way: str, node: int, key: str) -> float:
-        return statistics.median(r[way][node][key] for r in rounds)
+    def median(way: str, rank: int, key: str) -> float:
+        return statistics.median(r[way][rank][key] for r in rounds)
 
     def job_cpu(way: str, key: str = "compiled_cpu_s") -> float:
         return statistics.median(sum(n.get(key, 0.0) for n in r[way]) for r in rounds)
 
+    def stall(way: str, rank: int) -> str:
+        seconds = [r[way][rank].get("switch_step_s") for r in rounds]
+        known = [s for s in seconds if s is not None]
+        return f"{statistics.median(known):.1f}" if known else "-"
+
     lines = [
-        "| way | node | first step s | compiled speed from step (s) | node CPU s by then "
-        "| of it, child processes' | FX-graph hits / misses | children |",
-        "|---|---|---|---|---|---|---|---|",
+        "| way | node (rank) | first step s | compiled speed from step (s) | switch step s "
+        "| CPU s by then | of it, child processes' | FX-graph hits / misses | children |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for way in WAYS:
-        for node in range(len(rounds[0][way])):
+    ways = [way for way in WAYS if way in rounds[0]]
+    for way in ways:
+        for rank, record in enumerate(rounds[0][way]):
             lines.append(
-                f"| {way} | {node} | {median(way, node, 'first_step_s'):.1f} | "
-                f"{median(way, node, 'compiled_step'):.0f} "
-                f"({median(way, node, 'compiled_s'):.1f}) | "
-                f"{median(way, node, 'compiled_cpu_s'):.0f} | "
-                f"{median(way, node, 'children_cpu_s'):.0f} | "
-                f"{_hits(rounds, way, node)} | {median(way, node, 'children'):.0f} |"
+                f"| {way} | {record.get('node', rank)} ({rank}) | "
+                f"{median(way, rank, 'first_step_s'):.1f} | "
+                f"{median(way, rank, 'compiled_step'):.0f} "
+                f"({median(way, rank, 'compiled_s'):.1f}) | {stall(way, rank)} | "
+                f"{median(way, rank, 'compiled_cpu_s'):.0f} | "
+                f"{median(way, rank, 'children_cpu_s'):.0f} | "
+                f"{_hits(rounds, way, rank)} | {median(way, rank, 'children'):.0f} |"
             )
+    if "one node of two processes, background" in ways:
+        lines += [
+            "",
+            "One node of two processes: rank 0's CPU is its process tree, which holds rank 1 "
+            "(Lightning starts it) and the child; rank 1's is its own.",
+        ]
+    if not {"one compile per job", "one process, background"} <= set(ways):
+        return "\n".join(lines) + "\n"
     single, job = job_cpu("one process, background"), job_cpu("one compile per job")
     work = {
         way: job_cpu(way, "children_cpu_s")
@@ -246,21 +279,24 @@ def main() -> None:
     parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--phase", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--name", default="multi_node", help="results file name")
     args = parser.parse_args()
     if args.child:
         train(args.child, args.steps, args.child_out, args.phase)
         return
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rounds = [one_round(args.steps) for _ in range(args.rounds)]
+    rounds = [one_round(args.steps, args.ways) for _ in range(args.rounds)]
+    ways = "" if args.ways == list(WAYS) else " --ways " + " ".join(f"'{w}'" for w in args.ways)
     markdown = (
         f"Depth-16 GPT (width 256, batch {BATCH} x 128 tokens), two simulated nodes of one "
         f"process on one machine (DDP over gloo, inductor on CPU), each with a new, empty "
         f"node-local TORCHINDUCTOR_CACHE_DIR; medians of {args.rounds} round(s). Run "
         f"{started} on {os.uname().machine}, {os.cpu_count()} cores (both nodes share "
         f"them), torch {__import__('torch').__version__}. Command: `python "
-        f"benchmarks/multi_node.py --rounds {args.rounds}`.\n\n" + table(rounds)
+        f"benchmarks/multi_node.py --rounds {args.rounds}{ways}`.\n\n" + table(rounds)
     )
-    save_results(args.out, "multi_node", "cpu", markdown, {"size": SIZE, "rounds": rounds})
+    save_results(args.out, args.name, "cpu", markdown, {"size": SIZE, "rounds": rounds})
     print(markdown)
 
 
