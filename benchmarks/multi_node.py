@@ -288,11 +288,12 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rounds = [one_round(args.steps, args.ways) for _ in range(args.rounds)]
     ways = "" if args.ways == list(WAYS) else " --ways " + " ".join(f"'{w}'" for w in args.ways)
+    ways += "" if args.name == "multi_node" else f" --name {args.name}"
     markdown = (
-        f"Depth-16 GPT (width 256, batch {BATCH} x 128 tokens), two simulated nodes of one "
-        f"process on one machine (DDP over gloo, inductor on CPU), each with a new, empty "
-        f"node-local TORCHINDUCTOR_CACHE_DIR; medians of {args.rounds} round(s). Run "
-        f"{started} on {os.uname().machine}, {os.cpu_count()} cores (both nodes share "
+        f"Depth-16 GPT (width 256, batch {BATCH} x 128 tokens), simulated nodes on one "
+        f"machine (DDP over gloo, inductor on CPU), each node with a new, empty node-local "
+        f"TORCHINDUCTOR_CACHE_DIR; medians of {args.rounds} round(s). Run "
+        f"{started} on {os.uname().machine}, {os.cpu_count()} cores (all processes share "
         f"them), torch {__import__('torch').__version__}. Command: `python "
         f"benchmarks/multi_node.py --rounds {args.rounds}{ways}`.\n\n" + table(rounds)
     )
