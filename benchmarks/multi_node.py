@@ -83,12 +83,8 @@ def train(way: str, steps: int, out: Path, phase: str = "") -> None:
         strategy = DDPStrategy(process_group_backend="gloo")
     elif way == "one process, background":
         strategy = RegionalCompileStrategy(compile_in_background=True)
-    elif way == "one node of two processes, background":
-        strategy = RegionalCompileDDPStrategy(
-            process_group_backend="gloo", compile_in_background=True
-        )
     else:
-        background = way == "one compile per job"
+        background = way in ("one compile per job", "one node of two processes, background")
         strategy = RegionalCompileDDPStrategy(
             process_group_backend="gloo", compile_in_background=background
         )

@@ -239,7 +239,7 @@ class BackgroundCompile:
         self.steps_eager += 1
         ready = self._advance() if processes.is_global_zero else True
         if not processes.reduce_boolean_decision(ready, all=True):
-            self._share_cores()  # rank 0's child compiles: every rank keeps its pace
+            self._share_cores()  # rank 0's child compiles: every rank lends threads
             return False
         outcome = self._outcome(processes) if processes.is_global_zero else None
         self.outcome = outcome = processes.broadcast(outcome, src=0)

@@ -141,6 +141,7 @@ def isa_probe_files(cache_root: str) -> dict[str, bytes]:
     compiler never finds them; a node that finds them skips g++ for each (12.6 s on this
     2-core CPU) and still runs torch's load check on them."""
     sources = isa_probe_sources()
+    sizes = {len(source.encode()) for source in sources}  # so that kernels' go unread
     root = Path(cache_root)
     found: dict[str, bytes] = {}
     if not sources or not root.is_dir():
@@ -150,13 +151,9 @@ def isa_probe_files(cache_root: str) -> dict[str, bytes]:
         source = library.with_suffix(".cpp")
         if not KERNEL_FILE.fullmatch(relative) or not source.is_file():
             continue
-        if source.stat().st_size <= PROBE_SOURCE_LIMIT and source.read_text() in sources:
+        if source.stat().st_size in sizes and source.read_text() in sources:
             found[relative] = library.read_bytes()
     return found
-
-
-#: The largest probe source worth reading (torch's are a few hundred bytes).
-PROBE_SOURCE_LIMIT = 4096
 
 
 def kernel_files_to_ship(cache_root: str) -> dict[str, bytes]:
