@@ -10,7 +10,7 @@ $(STAMP): requirements.txt setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench,ray]"
 	@if $(PY) -c "import torchvision" 2>/dev/null; then echo "torchvision must not be installed"; exit 1; fi
 	touch $(STAMP)
 

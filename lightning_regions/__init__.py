@@ -2,14 +2,18 @@
 
 The warning and error classes are also in ``lightning_regions.warnings``.
 
-Importing the package registers the ``"regional_compile"``, ``"regional_compile_ddp"``
-and ``"regional_compile_fsdp"`` strategy names with Lightning's ``StrategyRegistry``.
+Importing the package registers the ``"regional_compile"``, ``"regional_compile_ddp"``,
+``"regional_compile_fsdp"`` (FSDP2), ``"regional_compile_fsdp1"`` and
+``"regional_compile_deepspeed"`` (and its ``_stage_N`` variants) strategy names with
+Lightning's ``StrategyRegistry``. ``regional_strategy(MyStrategy)`` gives any other
+strategy class the regions (Ray Train's, a cluster's, your own).
 """
 
 from . import compat  # noqa: F401  # checks torch's private names before anything uses them
 from .background import BackgroundCompileWarning
 from .cache import CacheArtifactsIgnoredWarning
 from .compile import compile_regions, end_observation
+from .compose import regional_strategy
 from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy
 from .graph import ModuleGraph, snapshot
 from .nested import NestedRegionError
@@ -25,12 +29,20 @@ from .report import (
     warn_if_not_compiled,
     warn_per_instance_recompiles,
 )
-from .strategy import RegionalCompileDDPStrategy, RegionalCompileStrategy, register
+from .strategy import (
+    RegionalCompileDDPStrategy,
+    RegionalCompileMixin,
+    RegionalCompileStrategy,
+    register,
+)
 from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError
 from .tracking import RegionCompileError, RegionCompileWarning
 from .watch import RecompileStormWarning
+from .wrapping import RegionalCompileDeepSpeedStrategy, RegionalCompileFSDP1Strategy
 
-register(RegionalCompileFSDPStrategy)
+register(
+    RegionalCompileFSDPStrategy, RegionalCompileFSDP1Strategy, RegionalCompileDeepSpeedStrategy
+)
 
 __all__ = [
     "BackgroundCompileWarning",
@@ -49,7 +61,10 @@ __all__ = [
     "RegionPlan",
     "RegionReport",
     "RegionalCompileDDPStrategy",
+    "RegionalCompileDeepSpeedStrategy",
+    "RegionalCompileFSDP1Strategy",
     "RegionalCompileFSDPStrategy",
+    "RegionalCompileMixin",
     "RegionalCompileStrategy",
     "TieCheck",
     "TiedWeightsCheck",
@@ -58,6 +73,7 @@ __all__ = [
     "end_observation",
     "find_regions",
     "region_report",
+    "regional_strategy",
     "snapshot",
     "warn_about",
     "warn_graph_breaks",

@@ -448,6 +448,18 @@ def set_compiled_source(module: nn.Module, source: nn.Module) -> None:
 LAZY_FORWARD = "_lazy_forward"
 
 
+#: The hook where Lightning's ``DDPStrategy``, ``FSDPStrategy`` (FSDP1) and
+#: ``DeepSpeedStrategy`` take the model, in its precision, to wrap it (DeepSpeed's hands it
+#: on to ``deepspeed.initialize``). Private, but each of those strategies overrides it.
+LIGHTNING_WRAP_HOOK = "_setup_model"
+
+
+def lightning_wrap_model(strategy_super: Any, model: nn.Module) -> Any:
+    """Call the Lightning wrap hook (``LIGHTNING_WRAP_HOOK``) of ``strategy_super``, the
+    ``super()`` of a strategy class that overrides it."""
+    return getattr(strategy_super, LIGHTNING_WRAP_HOOK)(model)
+
+
 def fabric_original_module(module: nn.Module) -> nn.Module:
     """The user's module under Fabric's ``_FabricModule`` (and DDP inside it), or
     ``module`` itself where it is not one."""

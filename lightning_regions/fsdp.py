@@ -100,8 +100,8 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            **options,
         )
-        self._init_regional(regional)
         self.reshard_after_forward = reshard_after_forward
         #: Set in ``setup_environment``: True when the LightningModule has no
         #: ``configure_model()`` and the strategy shards by the region plan.

@@ -165,9 +165,18 @@ class RegionalCompileBase:
 class RegionalCompileMixin(RegionalCompileBase, Strategy):
     """Compiles the LightningModule's regions in place after device placement.
 
-    Mixed into a Lightning strategy before the strategy class, so each hook here wraps
-    the strategy's own and delegates to the parts in a few lines.
+    Mixed in before a Lightning strategy class, so each hook here wraps the strategy's
+    own and delegates to the parts in a few lines: ``class MyRegional(
+    RegionalCompileMixin, MyStrategy)``, or ``regional_strategy(MyStrategy)``, which
+    also chooses the right mixin for DDP, FSDP and DeepSpeed strategies
+    (docs/usage.md). Takes the regional options and the strategy's own arguments, all
+    keyword-only.
     """
+
+    def __init__(self, **kwargs: Any) -> None:
+        options, own = split_options(kwargs)
+        super().__init__(**own)
+        self._init_regional(options)
 
     def attached_trainer(self) -> Any:
         """The Trainer of the LightningModule, or None before one is attached
@@ -306,8 +315,8 @@ class RegionalCompileStrategy(RegionalCompileMixin, SingleDeviceStrategy):
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            **options,
         )
-        self._init_regional(RegionalOptions(**options))
         self._device_from_trainer: torch.device | None = None
 
     @property
@@ -345,11 +354,6 @@ class RegionalCompileDDPStrategy(RegionalCompileMixin, DDPStrategy):
     strategy_name = "regional_compile_ddp"
     description = "DDP, repeated blocks compiled in place in each process"
     wraps_in_ddp = True
-
-    def __init__(self, **kwargs: Any) -> None:
-        options, ddp_arguments = split_options(kwargs)
-        super().__init__(**ddp_arguments)
-        self._init_regional(options)
 
 
 def register(*classes: type[RegionalCompileBase]) -> None:

@@ -23,6 +23,8 @@ LAYERS = {
         "strategy",
         "fabric",
         "fsdp",
+        "wrapping",
+        "compose",
         "cli",
         "warnings",
         "__init__",

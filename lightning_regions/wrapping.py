@@ -1,0 +1,163 @@
+"""Lightning glue for the strategies that take the whole model into a wrapper of their
+own at setup: FSDP1 (``FSDPStrategy``, ``FullyShardedDataParallel``) and DeepSpeed
+(``DeepSpeedStrategy``, ``deepspeed.initialize``).
+
+Neither calls ``model_to_device`` in ``setup``: FSDP1 moves the model as it wraps it,
+and DeepSpeed's engine moves it. Both pass the model, in its precision, through
+Lightning's wrap hook (``compat.LIGHTNING_WRAP_HOOK``) first, and that is where the
+regions compile in place here: before the wrapper sees the model, as DDP's regions do in
+``model_to_device``. Compiled in place, a block keeps its identity, parameters, hooks and
+``state_dict`` keys, so FSDP1's auto-wrap policy finds it by its class and DeepSpeed's
+ZeRO-3 hooks land on it as on an eager block (accelerate's ``compile_regions_deepspeed``
+compiles in place for the same reason).
+
+Both are GPU-only, in Lightning and in torch (FSDP1 refuses a CPU device itself:
+"FSDP needs a non-CPU accelerator device"), so on a CPU they refuse as Lightning does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+from torch import nn
+from typing_extensions import override
+
+from .compat import lightning_wrap_model
+from .options import RegionalOptions, split_options, takes_options
+from .strategy import RegionalCompileMixin
+
+
+def refuse_background_and_nested(options: RegionalOptions, engine: str) -> None:
+    """Raise ``ValueError`` for the options a wrapping engine cannot take, naming why."""
+    if options.compile_in_background:
+        raise ValueError(
+            f"compile_in_background=True is not supported under {engine}: the engine holds "
+            "the parameters flattened or partitioned over the processes, which the child "
+            "process cannot rebuild. Use RegionalCompileDDPStrategy or "
+            "RegionalCompileStrategy with it, or leave it off."
+        )
+    if options.granularity == "nested":
+        raise ValueError(
+            f"granularity='nested' is not supported under {engine}: the engine wraps the "
+            "model whole, so a nested unit would be compiled around the engine's own hooks "
+            "(unmeasured). Use granularity='regions'."
+        )
+
+
+class RegionalCompileWrappedMixin(RegionalCompileMixin):
+    """Compiles the regions in place in Lightning's wrap hook, right before the engine
+    wraps the model; ``model_to_device`` (which DeepSpeed calls to move a ZeRO-3 model
+    while it loads a checkpoint) only moves it."""
+
+    #: The engine's name in messages.
+    engine = "this engine"
+
+    def __init__(self, **kwargs: Any) -> None:
+        options, _ = split_options(kwargs)
+        refuse_background_and_nested(options, self.engine)
+        super().__init__(**kwargs)
+
+    @override
+    def model_to_device(self) -> None:
+        # skip RegionalCompileMixin's compile: the wrap hook compiles
+        super(RegionalCompileMixin, self).model_to_device()  # type: ignore[safe-super]
+
+    def _setup_model(self, model: nn.Module) -> Any:
+        """Lightning's wrap hook: compile the regions in place, then let the engine wrap."""
+        self.compile_in_place(self.set_up_module(), root_is_called=False)  # training_step
+        return lightning_wrap_model(super(), model)
+
+
+@takes_options(base=FSDPStrategy.__init__)
+class RegionalCompileFSDP1Strategy(RegionalCompileWrappedMixin, FSDPStrategy):
+    """FSDP1 (Lightning's ``FSDPStrategy``) with each block compiled in place before
+    ``FullyShardedDataParallel`` wraps it.
+
+    Takes the regional options and every ``FSDPStrategy`` argument (``auto_wrap_policy``,
+    ``sharding_strategy``, ``cpu_offload``, ``mixed_precision``, ``state_dict_type``...),
+    all keyword-only. ``use_orig_params`` stays ``True`` (Lightning's default; compiled
+    regions read their own parameters, which FSDP1 keeps only then); ``False`` raises.
+    Needs a CUDA GPU, as ``FSDPStrategy`` does. Not with ``compile_in_background`` or
+    ``granularity="nested"``.
+
+    Args:
+    """
+
+    strategy_name = "regional_compile_fsdp1"
+    description = "FSDP1, each block compiled in place before FullyShardedDataParallel wraps"
+    engine = "FSDP1 (FSDPStrategy)"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not self.kwargs.get("use_orig_params"):
+            raise ValueError(
+                "use_orig_params=False: FSDP1 then replaces each block's parameters by one "
+                "flat parameter, and a compiled region reads the block's own. Leave "
+                "use_orig_params at Lightning's default (True)."
+            )
+
+    @property
+    @override
+    def accelerator(self) -> Any:
+        return Strategy.accelerator.fget(self)  # type: ignore[attr-defined]
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        """The Trainer sets it at construction: refuse a CPU there with Lightning's own
+        words (Lightning checks ``FSDPStrategy`` itself by exact type only)."""
+        if accelerator is not None and not isinstance(accelerator, CUDAAccelerator):
+            raise ValueError(
+                f"The strategy `{self.strategy_name}` requires a GPU accelerator, but "
+                f"received `accelerator={type(accelerator).__name__}()`. Please set "
+                "`accelerator='cuda'`, `accelerator='gpu'`, or pass a `CUDAAccelerator()` "
+                "instance to use FSDP."
+            )
+        Strategy.accelerator.fset(self, accelerator)  # type: ignore[attr-defined]
+
+
+@takes_options(base=DeepSpeedStrategy.__init__)
+class RegionalCompileDeepSpeedStrategy(RegionalCompileWrappedMixin, DeepSpeedStrategy):
+    """DeepSpeed (Lightning's ``DeepSpeedStrategy``, ZeRO stages 1-3) with each block
+    compiled in place before ``deepspeed.initialize`` takes the model.
+
+    Takes the regional options and every ``DeepSpeedStrategy`` argument (``stage``,
+    ``offload_optimizer``, ``offload_parameters``, ``config``...), all keyword-only.
+    Registered as ``"regional_compile_deepspeed"`` and, as Lightning's names,
+    ``"regional_compile_deepspeed_stage_1"`` ... ``"_stage_3_offload"``. Needs DeepSpeed
+    and a CUDA GPU, as ``DeepSpeedStrategy`` does. Not with ``compile_in_background``
+    or ``granularity="nested"``.
+
+    Args:
+    """
+
+    strategy_name = "regional_compile_deepspeed"
+    description = "DeepSpeed, each block compiled in place before deepspeed.initialize"
+    engine = "DeepSpeed"
+    #: Lightning's registered DeepSpeed variants (``deepspeed_stage_1``...), with ours'
+    #: name suffix, description and arguments.
+    variants: tuple[tuple[str, str, dict[str, Any]], ...] = (
+        ("stage_1", "ZeRO stage 1", {"stage": 1}),
+        ("stage_2", "ZeRO stage 2", {"stage": 2}),
+        ("stage_2_offload", "ZeRO stage 2, CPU offload", {"stage": 2, "offload_optimizer": True}),
+        ("stage_3", "ZeRO stage 3", {"stage": 3}),
+        (
+            "stage_3_offload",
+            "ZeRO stage 3, CPU offload",
+            {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+        ),
+    )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        super().register_strategies(strategy_registry)
+        for suffix, what, arguments in cls.variants:
+            strategy_registry.register(
+                f"{cls.strategy_name}_{suffix}",
+                cls,
+                description=f"DeepSpeed {what}, blocks compiled in place",
+                override=True,
+                **arguments,
+            )
