@@ -16,8 +16,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from examples.tiny_gpt import GPTConfig, TinyGPT
+from examples.tiny_gpt import GPTBlock, GPTConfig, TinyGPT
 from lightning_regions import (
+    RegionalCompileDeepSpeedStrategy,
+    RegionalCompileFSDP1Strategy,
     RegionalCompileStrategy,
     TiedWeightsCheck,
     compile_regions,
@@ -89,3 +91,50 @@ def test_a_warm_start_on_a_gpu_from_checkpoint_artifacts(tmp_path):
     warm = resume_run(tmp_path, "b", "empty", 3, tmp_path / "a" / "last.ckpt")
     assert cold["fxgraph_miss"] > 0 and cold["fxgraph_hit"] == 0
     assert warm["fxgraph_hit"] > 0 and warm["fxgraph_miss"] == 0
+
+
+# --- FSDP1 and DeepSpeed: GPU-only in Lightning ------------------------------------------
+
+#: FSDP1 wraps a module registered at two positions once, at the first (torch's
+#: ``named_children`` skips the repeat), and the other position then runs it outside its
+#: wrapper: so these models give each position its own block, under plain Lightning too.
+DISTINCT = {"unique_blocks": None}
+
+
+def fit_wrapped(tmp_path, strategy, steps=4):
+    from helpers import data, gpt, trainer
+
+    model, check = gpt(**DISTINCT), TiedWeightsCheck()
+    fitted = trainer(tmp_path, strategy, steps, [check], accelerator="gpu")
+    fitted.fit(model, data())
+    return model, check, fitted
+
+
+def test_fsdp1_compiles_each_block_before_wrapping_and_equals_plain_fsdp(tmp_path):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    ours = RegionalCompileFSDP1Strategy(auto_wrap_policy={GPTBlock})
+    model, check, fitted = fit_wrapped(tmp_path / "ours", ours)
+    plain, _, _ = fit_wrapped(tmp_path / "plain", FSDPStrategy(auto_wrap_policy={GPTBlock}))
+    assert model.losses == pytest.approx(plain.losses, rel=1e-3)
+    assert check.broken == []  # the tied head is one Parameter after the first step
+    report = region_report(model)
+    assert report.rows and not report.never_ran_compiled
+    assert sum(row.graphs for row in report.rows) == 1  # one graph for the block class
+    keys = set(fitted.strategy.lightning_module_state_dict())
+    assert keys == set(plain.state_dict())  # no _orig_mod., no FSDP prefix
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_compiles_each_block_before_initialize_and_equals_plain(tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    model, check, _ = fit_wrapped(tmp_path / "ours", RegionalCompileDeepSpeedStrategy(stage=stage))
+    plain, _, _ = fit_wrapped(tmp_path / "plain", DeepSpeedStrategy(stage=stage))
+    assert model.losses == pytest.approx(plain.losses, rel=1e-3)
+    assert check.broken == []
+    report = region_report(model)
+    assert report.rows and not report.never_ran_compiled
+    assert sum(row.graphs for row in report.rows) == 1
+    assert model.model.lm_head.weight is model.model.wte.weight
