@@ -192,6 +192,8 @@ class BackgroundCompile:
         self.artifacts: tuple[bytes, dict[str, bytes]] | None = None
         self.pids: list[int] = []  # every child this process started
         self.child_seconds: float | None = None
+        #: The highest peak resident memory of this process's children, in MiB.
+        self.child_peak_rss_mb: float | None = None
         self.outcome: Outcome | None = None
         self.steps_eager = 0  # optimizer steps that ran before the switch
         self.switched = False
@@ -284,6 +286,9 @@ class BackgroundCompile:
                 self.failure = f"still compiling after background_timeout_s={self.timeout_s:g}"
                 return True
             done = self.child.result()
+            if "peak_rss_mb" in done:
+                peak = float(done["peak_rss_mb"])
+                self.child_peak_rss_mb = max(peak, self.child_peak_rss_mb or 0.0)
             if not done.get("ok"):
                 self.failure = str(done.get("error"))
                 return True

@@ -57,10 +57,30 @@ def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
     strategy = fit_both(tmp_path, ours, plain)
     background = strategy.background
     assert background.switched and not background.failure and background.child_seconds
+    assert background.child_peak_rss_mb and background.child_peak_rss_mb > 0
     assert 1 <= background.steps_eager == len(ours.losses) - 3
     report = region_report(ours)
     assert not report.ran_eager and all(row.compiled_calls for row in report.rows)
     assert ours.model.blocks[0]._compiled_call_impl is not None
+
+
+def test_the_child_reports_its_own_peak_memory_not_its_parents():
+    """``ru_maxrss`` of a spawned child starts at its parent's peak (``exec`` carries it
+    over); ``peak_rss_mb`` is the child's own."""
+    import subprocess
+    import sys
+
+    from lightning_regions.background_child import peak_rss_mb
+
+    held = torch.ones(256 * 2**20 // 4 * 4)  # 1 GiB, written: resident in this process
+    parent = peak_rss_mb()
+    code = "import resource; from lightning_regions.background_child import peak_rss_mb; "
+    code += "print(peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    own, inherited = map(float, done.stdout.split())
+    del held
+    assert inherited >= parent - 64  # what a child's getrusage says: the parent's peak
+    assert own < parent - 512  # its own: torch imported, not the parent's GiB
 
 
 def test_classes_defined_in_a_function_ship_by_value(tmp_path):
