@@ -63,6 +63,7 @@ bench: install
 	$(PY) benchmarks/multi_node.py
 	$(PY) benchmarks/entry_points.py
 	$(PY) benchmarks/demo_noise.py
+	$(PY) benchmarks/memory.py
 
 # On a GPU machine: its own python3 and this source tree, nothing installed. Here the
 # venv's python, which finds no GPU and says so.

@@ -21,6 +21,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 #: them running a long file alone at the end. Only the order changes, never a result; a
 #: file not named here runs after these, in pytest's order.
 LONGEST_FILES_FIRST = (
+    "test_restarts.py",
+    "test_ray.py",
     "test_multi_node.py",
     "test_background_inductor.py",
     "test_nested.py",
@@ -29,6 +31,7 @@ LONGEST_FILES_FIRST = (
     "test_generation.py",
     "test_block_variants.py",
     "test_ddp.py",
+    "test_tensor_parallel.py",
     "test_warm_start.py",
     "test_dynamo_passthrough.py",
     "test_demo_table.py",
