@@ -56,6 +56,25 @@ def peak_rss_mb() -> float:
     return own_peak()
 
 
+def quiet_trainer(strategy: Any, callback: Any) -> Any:
+    """A CPU Trainer of one device that stops when ``callback`` says so (at most 2000
+    steps), without validation, logging or checkpoints."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=2000,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+
+
 def measure_way(way: str) -> dict[str, Any]:
     """One way, in this process: train ``WARM_STEPS`` steps (until the switch, for the
     background mode), then measure one step."""
@@ -122,18 +141,7 @@ def measure_way(way: str) -> dict[str, Any]:
                 time.sleep(0.05)  # the eager steps leave the child its cores
 
     measure = Measure()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=2000,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[measure],
-    )
+    trainer = quiet_trainer(strategy, measure)
     from lightning_regions.compat import cache_counts
 
     trainer.fit(module, data)
@@ -184,18 +192,7 @@ def measure_child(depth: int, width: int) -> dict[str, Any]:
             else:
                 time.sleep(0.05)
 
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=2000,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[UntilTheSwitch()],
-    )
+    trainer = quiet_trainer(strategy, UntilTheSwitch())
     trainer.fit(module, data)
     background = strategy.background
     assert background is not None

@@ -98,15 +98,9 @@ def train(config: dict) -> None:
     torch.save(payload, out / f"{mode}_rank{rank}.pt")
 
 
-def is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def main(out: Path, modes: list[str]) -> None:
+    from helpers import is_running
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     pids: list[int] = []
     for mode in modes:
