@@ -16,6 +16,7 @@ import torch
 from processes import launch_env
 
 pytest.importorskip("ray.train.lightning", reason="the .[ray] extra (make install has it)")
+pytestmark = pytest.mark.ddp
 
 SCRIPT = Path(__file__).parent / "ray_run.py"
 MODES = ("plain_long", "regional", "background")
