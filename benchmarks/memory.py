@@ -41,6 +41,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from compile_time import save_results  # noqa: E402
 
+from lightning_regions.background_child import peak_rss_mb  # noqa: E402
+
 SIZE = {"block_size": 128, "n_layer": 16, "n_head": 4, "n_embd": 256}
 BATCH = 8
 #: Steps before the measured one (compiles and the optimizer's state come first).
@@ -48,12 +50,6 @@ WARM_STEPS = 4
 WAYS = ("eager", "eager + AC", "torch.compile", "accelerate", "regional", "regional + AC")
 BACKGROUND = "background"
 MIB = 2**20
-
-
-def peak_rss_mb() -> float:
-    from lightning_regions.background_child import peak_rss_mb as own_peak
-
-    return own_peak()
 
 
 def quiet_trainer(strategy: Any, callback: Any) -> Any:
@@ -83,6 +79,7 @@ def measure_way(way: str) -> dict[str, Any]:
 
     from examples.lightning_gpt import CharDataModule, GPTModule
     from lightning_regions import RegionalCompileStrategy
+    from lightning_regions.compat import cache_counts
 
     data = CharDataModule(block_size=SIZE["block_size"], batch_size=BATCH)
     module = GPTModule(
@@ -142,14 +139,11 @@ def measure_way(way: str) -> dict[str, Any]:
 
     measure = Measure()
     trainer = quiet_trainer(strategy, measure)
-    from lightning_regions.compat import cache_counts
-
     trainer.fit(module, data)
     gpt = module.model
     storages = {
         p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in gpt.parameters()
     }
-    eager_blocks = gpt.blocks if hasattr(gpt, "blocks") else None
     result: dict[str, Any] = {
         "way": way,
         "measured_step": measure.measured_at,
@@ -160,7 +154,6 @@ def measure_way(way: str) -> dict[str, Any]:
         "tie_one_storage": gpt.lm_head.weight.untyped_storage().data_ptr()
         == gpt.wte.weight.untyped_storage().data_ptr(),
         "peak_rss_mb": peak_rss_mb(),
-        "blocks": len(eager_blocks) if eager_blocks is not None else None,
         "cache_counts": cache_counts(),
     }
     background = getattr(trainer.strategy, "background", None)

@@ -62,20 +62,20 @@ StrategyType = TypeVar("StrategyType", bound=type)
 #: specific first (``DeepSpeedStrategy`` is a ``DDPStrategy``). A subclass of
 #: ``SingleDeviceStrategy`` gets the plain mixin: ``RegionalCompileStrategy`` takes its
 #: device from the Trainer, which a subclass's own ``__init__`` may not allow.
-TRAINER_ENGINES: tuple[tuple[type, type], ...] = (
+TRAINER_ENGINES: tuple[tuple[type, type[RegionalCompileBase]], ...] = (
     (ModelParallelStrategy, RegionalCompileFSDPStrategy),
     (FSDPStrategy, RegionalCompileFSDP1Strategy),
     (DeepSpeedStrategy, RegionalCompileDeepSpeedStrategy),
     (DDPStrategy, RegionalCompileDDPStrategy),
     (Strategy, RegionalCompileMixin),
 )
-FABRIC_ENGINES: tuple[tuple[type, type], ...] = (
+FABRIC_ENGINES: tuple[tuple[type, type[RegionalCompileBase]], ...] = (
     (FabricDDPStrategy, fabric.RegionalCompileDDPStrategy),
     (FabricSingleDeviceStrategy, fabric.RegionalCompileStrategy),
     (FabricStrategy, fabric.RegionalCompileFabricMixin),
 )
 #: Lightning's classes that are an engine of ours as they are.
-OURS: dict[type, type] = {
+OURS: dict[type, type[RegionalCompileBase]] = {
     **{lightning: ours for lightning, ours in TRAINER_ENGINES + FABRIC_ENGINES},
     SingleDeviceStrategy: RegionalCompileStrategy,
 }
@@ -118,7 +118,7 @@ def regional_strategy(base: StrategyType) -> StrategyType:
 
 @functools.cache
 def _compose(base: type) -> type:
-    if base in OURS and issubclass(OURS[base], base):
+    if base in OURS:
         return OURS[base]  # a Lightning class we have a strategy for: that strategy
     engines = TRAINER_ENGINES if issubclass(base, Strategy) else FABRIC_ENGINES
     ours = next(ours for lightning, ours in engines if issubclass(base, lightning))
@@ -129,5 +129,4 @@ def _compose(base: type) -> type:
         "__qualname__": f"Regional{base.__name__}",
     }
     composed = type(f"Regional{base.__name__}", (ours, base), namespace)
-    excluded = getattr(ours, "excluded_options", ())
-    return takes_options(excluded, base=base.__init__)(composed)  # type: ignore[misc]
+    return takes_options(ours.excluded_options, base=base.__init__)(composed)  # type: ignore[misc]

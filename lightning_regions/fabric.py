@@ -23,7 +23,7 @@ from lightning.fabric.strategies import Strategy as FabricStrategy
 from torch import nn
 from typing_extensions import override
 
-from .options import split_options, takes_options
+from .options import takes_options
 from .strategy import RegionalCompileBase
 
 #: Fabric's checkpoints carry no compile artifacts: nothing to trust.
@@ -39,11 +39,6 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
 
     _module: nn.Module | None = None
     excluded_options = FABRIC_EXCLUDED
-
-    def __init__(self, **kwargs: Any) -> None:
-        options, own = split_options(kwargs, self.excluded_options)
-        super().__init__(**own)
-        self._init_regional(options)
 
     @override
     def setup_module(self, module: nn.Module) -> Any:

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
 from .compat import model_parallel_sizes, set_model_parallel_sizes
-from .options import RegionalOptions, takes_options
+from .options import RegionalOptions, refuse_background_and_nested, takes_options
 from .regions import RegionPlan, find_regions
 from .sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
 from .strategy import RegionalCompileMixin
@@ -78,22 +78,15 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        regional = RegionalOptions(**options)
-        if regional.compile_in_background:
-            raise ValueError(
-                "compile_in_background=True is not supported under FSDP2 yet: a sharded "
-                "region's parameters are DTensors spread over the processes, which the "
-                "child process cannot rebuild. Use RegionalCompileDDPStrategy or "
-                "RegionalCompileStrategy with it, or leave it off."
-            )
-        if regional.granularity == "nested":
-            raise ValueError(
-                "granularity='nested' is not supported under FSDP2: dynamo does not trace "
-                "the model whole through fully_shard's hooks (measured on torch 2.13: the "
-                "blocks compile as frames of their own and none runs as a nested region), "
-                "so it would be granularity='regions' with a wrong report. Use "
-                "granularity='regions' with RegionalCompileFSDPStrategy."
-            )
+        refuse_background_and_nested(
+            RegionalOptions(**options),
+            "FSDP2",
+            background_why="a sharded region's parameters are DTensors spread over the "
+            "processes, which the child process cannot rebuild",
+            nested_why="dynamo does not trace the model whole through fully_shard's hooks "
+            "(measured on torch 2.13: the blocks compile as frames of their own and none runs "
+            "as a nested region), so it would be granularity='regions' with a wrong report",
+        )
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,

@@ -239,6 +239,25 @@ def options_table() -> str:
     return "\n".join(lines)
 
 
+def refuse_background_and_nested(
+    options: RegionalOptions, engine: str, background_why: str, nested_why: str
+) -> None:
+    """Raise ``ValueError`` where an engine (FSDP2, FSDP1, DeepSpeed) cannot take
+    ``compile_in_background`` or ``granularity="nested"``, naming the engine, its reason
+    and the fix."""
+    if options.compile_in_background:
+        raise ValueError(
+            f"compile_in_background=True is not supported under {engine}: {background_why}. "
+            "Use RegionalCompileDDPStrategy or RegionalCompileStrategy with it, or leave it "
+            "off."
+        )
+    if options.granularity == "nested":
+        raise ValueError(
+            f"granularity='nested' is not supported under {engine}: {nested_why}. Use "
+            "granularity='regions'."
+        )
+
+
 def validate_on_compile_error(policy: str) -> None:
     if policy not in COMPILE_ERROR_POLICIES:
         raise ValueError(f"on_compile_error={policy!r}: use one of {COMPILE_ERROR_POLICIES}.")

@@ -50,6 +50,15 @@ class RegionalCompileBase:
     #: Whether DDP wraps the module (its strategy sets it): then regions compile whole
     #: (``environment.DDPGraphSplitOff``).
     wraps_in_ddp = False
+    #: Regional options this kind of strategy cannot use (``split_options`` refuses them).
+    excluded_options: tuple[str, ...] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        """The regional options and the Lightning strategy's own arguments, all
+        keyword-only: the options are kept here, the rest go to the strategy."""
+        options, own = split_options(kwargs, self.excluded_options)
+        super().__init__(**own)
+        self._init_regional(options)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -172,11 +181,6 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     (docs/usage.md). Takes the regional options and the strategy's own arguments, all
     keyword-only.
     """
-
-    def __init__(self, **kwargs: Any) -> None:
-        options, own = split_options(kwargs)
-        super().__init__(**own)
-        self._init_regional(options)
 
     def attached_trainer(self) -> Any:
         """The Trainer of the LightningModule, or None before one is attached

@@ -25,25 +25,8 @@ from torch import nn
 from typing_extensions import override
 
 from .compat import lightning_wrap_model
-from .options import RegionalOptions, split_options, takes_options
+from .options import refuse_background_and_nested, split_options, takes_options
 from .strategy import RegionalCompileMixin
-
-
-def refuse_background_and_nested(options: RegionalOptions, engine: str) -> None:
-    """Raise ``ValueError`` for the options a wrapping engine cannot take, naming why."""
-    if options.compile_in_background:
-        raise ValueError(
-            f"compile_in_background=True is not supported under {engine}: the engine holds "
-            "the parameters flattened or partitioned over the processes, which the child "
-            "process cannot rebuild. Use RegionalCompileDDPStrategy or "
-            "RegionalCompileStrategy with it, or leave it off."
-        )
-    if options.granularity == "nested":
-        raise ValueError(
-            f"granularity='nested' is not supported under {engine}: the engine wraps the "
-            "model whole, so a nested unit would be compiled around the engine's own hooks "
-            "(unmeasured). Use granularity='regions'."
-        )
 
 
 class RegionalCompileWrappedMixin(RegionalCompileMixin):
@@ -55,8 +38,14 @@ class RegionalCompileWrappedMixin(RegionalCompileMixin):
     engine = "this engine"
 
     def __init__(self, **kwargs: Any) -> None:
-        options, _ = split_options(kwargs)
-        refuse_background_and_nested(options, self.engine)
+        refuse_background_and_nested(
+            split_options(kwargs)[0],
+            self.engine,
+            background_why="the engine holds the parameters flattened or partitioned over "
+            "the processes, which the child process cannot rebuild",
+            nested_why="the engine wraps the model whole, so a nested unit would be compiled "
+            "around the engine's own hooks (unmeasured)",
+        )
         super().__init__(**kwargs)
 
     @override
