@@ -53,6 +53,17 @@ def test_a_class_we_have_a_strategy_for_gives_that_strategy(lightning, ours):
     assert regional_strategy(lightning) is ours
 
 
+@pytest.fixture
+def process_group_destroyed_after():
+    """A one-device DDP fit initialises torch's default process group in this process and
+    Lightning leaves it there: destroy it, so that a later test file on this worker (the
+    FSDP2 tests) can make its own."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.usefixtures("process_group_destroyed_after")
 def test_a_ddp_subclass_defined_in_a_function_trains_compiled_and_equal_to_itself(tmp_path):
     class ClusterDDP(DDPStrategy):  # a cluster's own DDP, with an argument of its own
         def __init__(self, *, site: str = "here", **kwargs) -> None:
