@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt setup.cfg pyproject.toml
+$(STAMP): requirements.txt requirements-deepspeed.txt setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q -e ".[test,bench,ray]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -r requirements-deepspeed.txt
 	@if $(PY) -c "import torchvision" 2>/dev/null; then echo "torchvision must not be installed"; exit 1; fi
 	touch $(STAMP)
 

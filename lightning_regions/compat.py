@@ -13,6 +13,7 @@ Two tables:
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -432,6 +433,47 @@ def call_past_compiled(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Call ``module`` as ``nn.Module.__call__`` does without a compiled call: hooks
     and ``forward``. Traced by dynamo inside a region's trampoline."""
     return module._call_impl(*args, **kwargs)
+
+
+def call_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module``'s class ``forward`` alone, without its hooks. Traced by dynamo
+    inside a region compiled with its hooks eager (``compile_regions(eager_hooks=True)``)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+#: Where a region compiled with its hooks eager keeps its compiled forward: in the
+#: instance's ``__dict__``, which ``nn.Module._call_impl`` reads (``self.forward``)
+#: between the module's hooks.
+FORWARD = "forward"
+
+
+def set_zero3_leaf(module: nn.Module) -> None:
+    """Make ``module`` a ZeRO-3 leaf (DeepSpeed's ``deepspeed.utils.set_z3_leaf_module``,
+    in DeepSpeed since 0.14): ZeRO-3 then hooks it alone, gathering all its parameters
+    before its forward, and none of its descendants. Before ``deepspeed.initialize``."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    set_z3_leaf_module(module, True)
+
+
+@functools.cache
+def trace_zero3_linear_as_torch_linear() -> None:
+    """Have dynamo trace DeepSpeed ZeRO-3's replacement of ``F.linear`` as torch's own
+    linear, once per process (``torch.compiler.substitute_in_graph``, torch 2.5+).
+
+    ZeRO-3 with ``memory_efficient_linear`` (DeepSpeed's default) replaces
+    ``torch.nn.functional.linear`` for the whole process with
+    ``deepspeed.runtime.zero.linear.zero3_linear_wrap``, an autograd function that saves
+    the weight ``Parameter`` rather than a view of its gathered data and gathers it again
+    in backward if it was freed. Inside a region that is a ZeRO-3 leaf, the region's own
+    hooks keep its parameters gathered through its forward and its backward, so what it
+    adds is DeepSpeed's code in the region's graph; traced as torch's linear, the region
+    holds none (its eager parts keep DeepSpeed's)."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    @torch.compiler.substitute_in_graph(zero3_linear_wrap)
+    def linear(input: torch.Tensor, weight: torch.Tensor, bias: Any = None) -> Any:
+        return torch._C._nn.linear(input, weight, bias)
 
 
 def compiled_source(compiled: nn.Module) -> nn.Module:

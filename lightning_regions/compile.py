@@ -17,6 +17,7 @@ from torch import nn
 
 from .compat import (
     COMPILED_CALL,
+    FORWARD,
     OptimizedModule,
     compiled_call,
     compiled_source,
@@ -30,7 +31,7 @@ from .nested import inductor_options_for_nested, mark_nested
 from .options import validate_compile_arguments, validate_granularity, validate_on_compile_error
 from .regions import RegionPlan, Selectors, find_regions, nest_plan
 from .tracking import OBSERVED_CALLS, RegionTracker, tracking_backend
-from .trampolines import needs_trampoline, trampoline
+from .trampolines import CompiledForward, compiled_forward, needs_trampoline, trampoline
 from .variants import find_variants
 
 #: Where the tracker of the last ``compile_regions`` call is kept on the result's root.
@@ -54,11 +55,19 @@ class InPlace:
     region would run eager. There the module's call goes through a small per-class
     function of ours (``trampolines``), which dynamo compiles and inlines the module through.
     A nested region is marked in place (``nested.mark_nested``).
+
+    ``eager_hooks``: the region's ``forward`` alone is compiled and kept in its
+    ``__dict__`` (``trampolines.CompiledForward``), so the module's own hooks run eager
+    around it (DeepSpeed's ZeRO-3 parameter gathering); a region through a trampoline
+    gets its ``forward_`` trampoline.
     """
 
-    def __init__(self, compile_kwargs: dict[str, Any], tracker: RegionTracker) -> None:
+    def __init__(
+        self, compile_kwargs: dict[str, Any], tracker: RegionTracker, eager_hooks: bool = False
+    ) -> None:
         self.compile_kwargs = compile_kwargs
         self.tracker = tracker
+        self.eager_hooks = eager_hooks
         self.compiled_now = 0
         self.entries = own_entries(tracker.plan)
 
@@ -66,6 +75,14 @@ class InPlace:
         if is_compiled(module):
             return module
         variant = self.entries.get(id(original))
+        if self.eager_hooks:
+            cls = type(module)
+            entry = cls.forward if variant is None else trampoline(cls, variant, hooks=False)
+            compiled = torch.compile(entry, **self.compile_kwargs)
+            vars(module)[FORWARD] = CompiledForward(module, compiled)
+            self.tracker.observe(original, module.__dict__, FORWARD)
+            self.compiled_now += 1
+            return module
         if variant is not None:
             call = MethodType(trampoline(type(module), variant), module)
             set_compiled_call(module, torch.compile(call, **self.compile_kwargs))
@@ -167,8 +184,13 @@ class ContainerOptimizedModule(OptimizedModule):
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """True for an ``OptimizedModule`` or a module compiled in place."""
-    return isinstance(module, OptimizedModule) or compiled_call(module) is not None
+    """True for an ``OptimizedModule`` or a module compiled in place (its call, or its
+    forward alone)."""
+    return (
+        isinstance(module, OptimizedModule)
+        or compiled_call(module) is not None
+        or compiled_forward(module) is not None
+    )
 
 
 def shallow_copy(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
@@ -262,6 +284,7 @@ def compile_regions(
     root_is_called: bool = True,
     plan: RegionPlan | None = None,
     granularity: str = "regions",
+    eager_hooks: bool = False,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """Compile the repeated blocks of ``module``, keeping its shared structure exactly.
@@ -299,9 +322,20 @@ def compile_regions(
     fix, under either ``on_compile_error``; with inductor, buffer reuse is off in those
     graphs (``nested.NESTED_INDUCTOR_OPTIONS``: torch 2.13 computes wrong gradients
     otherwise).
+
+    ``eager_hooks=True`` (in place, ``granularity="regions"``) compiles each region's
+    ``forward`` alone, so the hooks registered on the region itself run eager around its
+    compiled code: what an engine that hooks every module needs (DeepSpeed's ZeRO-3, with
+    the regions made ZeRO-3 leaves so that it hooks nothing inside them).
     """
     validate_on_compile_error(on_compile_error)
     validate_granularity(granularity)
+    if eager_hooks and (not inplace or granularity != "regions"):
+        raise ValueError(
+            f"eager_hooks=True with inplace={inplace} and granularity={granularity!r}: a "
+            "region's forward is compiled in place, by itself. Pass inplace=True and "
+            "granularity='regions'."
+        )
     if observe_calls is not None and observe_calls < 1:
         raise ValueError(f"observe_calls={observe_calls}: use a positive count, or None.")
     if plan is None:
@@ -312,7 +346,7 @@ def compile_regions(
         plan, compile_kwargs, on_compile_error, observe_calls
     )
     if inplace:
-        in_place = InPlace(torch_kwargs, tracker)
+        in_place = InPlace(torch_kwargs, tracker, eager_hooks)
         result = apply_plan(module, plan, in_place)
         if in_place.compiled_now == 0 and tracker_of(result) is not None:
             return result  # already compiled: keep the tracker that saw it happen

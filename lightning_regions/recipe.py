@@ -25,9 +25,11 @@ from .regions import RegionPlan
 @dataclass(frozen=True)
 class CompileRecipe:
     """``compile_regions``' arguments for a strategy's regions, and torch's compile
-    settings in effect when the recipe was made."""
+    settings in effect when the recipe was made. ``eager_hooks``: the engine's hooks on
+    each region stay outside its compiled code (DeepSpeed's)."""
 
     options: RegionalOptions
+    eager_hooks: bool = False
     settings: dict[str, dict[str, Any]] = field(default_factory=compile_settings)
 
     @property
@@ -40,6 +42,7 @@ class CompileRecipe:
             "on_compile_error": self.options.on_compile_error,
             "observe_calls": None,
             "granularity": self.options.granularity,
+            "eager_hooks": self.eager_hooks,
             **self.options.compile_kwargs,
         }
 

@@ -52,6 +52,9 @@ class RegionalCompileBase:
     wraps_in_ddp = False
     #: Regional options this kind of strategy cannot use (``split_options`` refuses them).
     excluded_options: tuple[str, ...] = ()
+    #: Whether the engine's hooks on each region run eager, outside its compiled forward
+    #: (``compile_regions(eager_hooks=True)``; DeepSpeed's strategy sets it).
+    eager_hooks = False
 
     def __init__(self, **kwargs: Any) -> None:
         """The regional options and the Lightning strategy's own arguments, all
@@ -124,7 +127,7 @@ class RegionalCompileBase:
         _refuse_whole_model_compile(module)
         self.compile_cache.enter()
         self.environment.enter(module)
-        recipe = CompileRecipe(self.options)  # after the environment set torch's flags
+        recipe = CompileRecipe(self.options, self.eager_hooks)  # after the environment's flags
         if self.background is not None:
             self.background.stop()
             self.background = None

@@ -21,6 +21,7 @@ would recompile every block class again and, after a few calls, hit
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 import warnings
@@ -47,6 +48,7 @@ from .compat import (
 from .graph import unwrap
 from .nested import GraphNesting, explain_nested_failure, graph_nesting
 from .regions import RegionPlan
+from .trampolines import CompiledForward
 from .watch import FrameCompile, FrameLog, RecompileWatch
 
 CompiledFn = Callable[..., Any]
@@ -365,8 +367,18 @@ class ObservedRegion:
             if self.limit is not None and self.stats.observed_calls >= self.limit:
                 self.end()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> ObservedRegion:
-        return self  # as torch's compiled call in this slot: a copy shares it
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # a copy is not observed: a compiled forward copies itself onto the copy; torch's
+        # compiled call in this slot is shared, as torch's own copy would share it
+        if isinstance(self.call, CompiledForward):
+            return copy.deepcopy(self.call, memo)
+        return self
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """A compiled forward is saved as the plain one, observed or not."""
+        if isinstance(self.call, CompiledForward):
+            return self.call.__reduce__()
+        return super().__reduce__()
 
     def end(self) -> None:
         if self.slot.get(self.key) is self:

@@ -14,25 +14,33 @@ instance of the class shares one entry. Three kinds of region need another:
   ``GradientCheckpointingLayer`` gives every subclass one ``forward`` wrapper).
 
 Such a region's call goes through a copy of ``_call_module`` with a code object of its
-own, one per (class, variant), which dynamo compiles and inlines the module through.
+own, one per (class, variant), which dynamo compiles and inlines the module through. A
+region compiled with its hooks eager (``compile_regions(eager_hooks=True)``, DeepSpeed)
+goes through a copy of ``_call_forward`` instead: the module's ``forward`` alone.
 Both ``compile`` (which makes them) and ``watch`` (which names their code in torch's
 records) read the registry here.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from types import FunctionType
 from typing import Any
 
 from torch import nn
 
-from .compat import call_past_compiled
+from .compat import FORWARD, call_forward, call_past_compiled
 
-_TRAMPOLINES: dict[tuple[type, int], FunctionType] = {}
+_TRAMPOLINES: dict[tuple[type, int, bool], FunctionType] = {}
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return call_past_compiled(module, *args, **kwargs)
+
+
+def _call_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return call_forward(module, *args, **kwargs)
 
 
 def needs_trampoline(cls: type[nn.Module]) -> bool:
@@ -40,17 +48,51 @@ def needs_trampoline(cls: type[nn.Module]) -> bool:
     return cls.forward.__module__.startswith("torch.")
 
 
-def trampoline(cls: type, variant: int = 0) -> FunctionType:
-    """A copy of ``_call_module`` with its own code object for variant ``variant`` of
-    ``cls`` (named ``call_<class>``, ``call_<class>_v<variant>`` for variants after the
-    first)."""
-    if (cls, variant) not in _TRAMPOLINES:
-        name = f"call_{cls.__name__}" + (f"_v{variant}" if variant else "")
-        code = _call_module.__code__.replace(co_name=name, co_qualname=name)
-        _TRAMPOLINES[cls, variant] = FunctionType(code, _call_module.__globals__, name)
-    return _TRAMPOLINES[cls, variant]
+def trampoline(cls: type, variant: int = 0, hooks: bool = True) -> FunctionType:
+    """A copy of ``_call_module`` (``hooks``) or ``_call_forward`` with its own code
+    object for variant ``variant`` of ``cls`` (named ``call_<class>`` or
+    ``forward_<class>``, with ``_v<variant>`` for variants after the first)."""
+    if (cls, variant, hooks) not in _TRAMPOLINES:
+        template = _call_module if hooks else _call_forward
+        name = ("call_" if hooks else "forward_") + cls.__name__
+        name += f"_v{variant}" if variant else ""
+        code = template.__code__.replace(co_name=name, co_qualname=name)
+        _TRAMPOLINES[cls, variant, hooks] = FunctionType(code, template.__globals__, name)
+    return _TRAMPOLINES[cls, variant, hooks]
 
 
 def existing_trampolines(cls: type) -> list[FunctionType]:
-    """The trampolines made for ``cls``, one per variant compiled so far."""
-    return [function for (owner, _), function in _TRAMPOLINES.items() if owner is cls]
+    """The trampolines made for ``cls``, one per variant and entry compiled so far."""
+    return [function for (owner, _, _), function in _TRAMPOLINES.items() if owner is cls]
+
+
+class CompiledForward:
+    """A region's compiled ``forward``, kept in its ``__dict__`` (``compat.FORWARD``) when
+    its hooks run eager: ``nn.Module._call_impl`` runs the module's hooks, eager, around
+    it. ``compiled`` is ``torch.compile`` of the class's ``forward`` or of a ``forward_``
+    trampoline, called with the module.
+
+    Saved (``torch.save``, pickle) as the module's plain ``forward``, as torch drops the
+    compiled call of ``module.compile()``; a deep copy is compiled too, bound to the copy.
+    """
+
+    def __init__(self, module: nn.Module, compiled: Callable[..., Any]) -> None:
+        self.module = module
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(self.module, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, (self.module, FORWARD))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledForward:
+        return CompiledForward(copy.deepcopy(self.module, memo), self.compiled)
+
+
+def compiled_forward(module: nn.Module) -> CompiledForward | None:
+    """The compiled forward in ``module``'s ``__dict__`` (also while a tracker observes
+    it, through the observer's ``call``), or None."""
+    found = vars(module).get(FORWARD)
+    found = getattr(found, "call", found)  # tracking.ObservedRegion
+    return found if isinstance(found, CompiledForward) else None

@@ -7,9 +7,20 @@ and DeepSpeed's engine moves it. Both pass the model, in its precision, through
 Lightning's wrap hook (``compat.LIGHTNING_WRAP_HOOK``) first, and that is where the
 regions compile in place here: before the wrapper sees the model, as DDP's regions do in
 ``model_to_device``. Compiled in place, a block keeps its identity, parameters, hooks and
-``state_dict`` keys, so FSDP1's auto-wrap policy finds it by its class and DeepSpeed's
-ZeRO-3 hooks land on it as on an eager block (accelerate's ``compile_regions_deepspeed``
-compiles in place for the same reason).
+``state_dict`` keys, so FSDP1's auto-wrap policy finds it by its class.
+
+DeepSpeed's engine hooks every module (ZeRO-3 gathers a module's parameters in a forward
+pre-hook, frees them in a forward hook and does the same around its backward through
+autograd functions applied there). ``module.compile()``, which accelerate's
+``compile_regions_deepspeed`` and DeepSpeed's own ``engine.compile()`` use, compiles the
+module's whole call, hooks included, and a block's forward calls its children's hooks:
+dynamo then traces into ZeRO-3's hooks, breaks graphs on them, compiles DeepSpeed's own
+frames and reaches its recompile limit there, and on a GPU the training diverged from
+plain DeepSpeed (issue 51's measurement). So here each region's ``forward`` alone is
+compiled (``compile_regions(eager_hooks=True)``), under every stage, and under ZeRO-3
+each region is a ZeRO-3 leaf (``compat.set_zero3_leaf``): ZeRO-3 hooks the region itself,
+gathering all its parameters before its forward, and nothing inside it. Every DeepSpeed
+hook then runs eager, outside the compiled code, as under plain DeepSpeed.
 
 Both are GPU-only, in Lightning and in torch (FSDP1 refuses a CPU device itself:
 "FSDP needs a non-CPU accelerator device"), so on a CPU they refuse as Lightning does.
@@ -24,8 +35,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from torch import nn
 from typing_extensions import override
 
-from .compat import lightning_wrap_model
+from .compat import lightning_wrap_model, set_zero3_leaf, trace_zero3_linear_as_torch_linear
 from .options import refuse_background_and_nested, split_options, takes_options
+from .regions import RegionPlan, find_regions
 from .strategy import RegionalCompileMixin
 
 
@@ -54,9 +66,24 @@ class RegionalCompileWrappedMixin(RegionalCompileMixin):
         super(RegionalCompileMixin, self).model_to_device()  # type: ignore[safe-super]
 
     def _setup_model(self, model: nn.Module) -> Any:
-        """Lightning's wrap hook: compile the regions in place, then let the engine wrap."""
-        self.compile_in_place(self.set_up_module(), root_is_called=False)  # training_step
+        """Lightning's wrap hook: plan the regions, prepare them for the engine, compile
+        them in place, then let the engine wrap."""
+        module = self.set_up_module()
+        plan = find_regions(module, self.options.regions, root_is_called=False)  # training_step
+        self.prepare_regions(plan)
+        self.compile_in_place(module, root_is_called=False, plan=plan)
         return lightning_wrap_model(super(), model)
+
+    def prepare_regions(self, plan: RegionPlan) -> None:
+        """What the engine needs done to the planned regions before they compile."""
+
+
+def make_zero3_leaves(plan: RegionPlan) -> None:
+    """Make each region of ``plan`` a ZeRO-3 leaf, before ``deepspeed.initialize``: ZeRO-3
+    then hooks the region itself and none of its descendants, so no ZeRO-3 hook is left
+    inside a region's compiled forward."""
+    for region in plan.regions:
+        set_zero3_leaf(region.module)
 
 
 @takes_options(base=FSDPStrategy.__init__)
@@ -118,12 +145,17 @@ class RegionalCompileDeepSpeedStrategy(RegionalCompileWrappedMixin, DeepSpeedStr
     and a CUDA GPU, as ``DeepSpeedStrategy`` does. Not with ``compile_in_background``
     or ``granularity="nested"``.
 
+    Each region's ``forward`` alone is compiled, so DeepSpeed's hooks on it run eager, and
+    under ZeRO-3 each region is a ZeRO-3 leaf: ZeRO-3 gathers a region's parameters all at
+    once before its forward and hooks nothing inside it (the module docstring says why).
+
     Args:
     """
 
     strategy_name = "regional_compile_deepspeed"
     description = "DeepSpeed, each block compiled in place before deepspeed.initialize"
     engine = "DeepSpeed"
+    eager_hooks = True
     #: Lightning's registered DeepSpeed variants (``deepspeed_stage_1``...), with ours'
     #: name suffix, description and arguments.
     variants: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -137,6 +169,14 @@ class RegionalCompileDeepSpeedStrategy(RegionalCompileWrappedMixin, DeepSpeedStr
             {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
         ),
     )
+
+    @override
+    def prepare_regions(self, plan: RegionPlan) -> None:
+        # under every stage: ZeRO-3's F.linear replacement outlives its engine, for the
+        # whole process (compat.trace_zero3_linear_as_torch_linear)
+        trace_zero3_linear_as_torch_linear()
+        if self.zero_stage_3:
+            make_zero3_leaves(plan)
 
     @classmethod
     @override

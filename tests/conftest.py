@@ -23,6 +23,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 LONGEST_FILES_FIRST = (
     "test_restarts.py",
     "test_ray.py",
+    "test_deepspeed.py",
     "test_multi_node.py",
     "test_background_inductor.py",
     "test_nested.py",

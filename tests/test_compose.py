@@ -172,8 +172,20 @@ def test_deepspeed_is_refused_as_lightning_refuses_it():
             RegionalCompileDeepSpeedStrategy(stage=3)
         assert str(ours.value) == str(lightning.value)
         assert refusal("regional_compile_deepspeed_stage_3") == refusal("deepspeed_stage_3")
-    else:  # installed: Lightning refuses a CPU at setup, so do we
-        assert refusal("regional_compile_deepspeed") == refusal("deepspeed")
+    else:  # installed: Lightning refuses a CPU when fit sets the strategy up, so do we
+        lightning = fit_refusal("deepspeed")
+        assert lightning.startswith("RuntimeError: The DeepSpeed strategy is only supported on")
+        assert fit_refusal("regional_compile_deepspeed_stage_3") == lightning
+        assert fit_refusal(RegionalCompileDeepSpeedStrategy(stage=3)) == lightning
+
+
+def fit_refusal(strategy) -> str:
+    from helpers import data, gpt
+    from helpers import trainer as make_trainer
+
+    with pytest.raises(Exception) as raised:  # any type: we compare Lightning's own
+        make_trainer(None, strategy, 1).fit(gpt(), data())
+    return f"{type(raised.value).__name__}: {raised.value}"
 
 
 @pytest.mark.parametrize("cls", [RegionalCompileFSDP1Strategy, RegionalCompileDeepSpeedStrategy])

@@ -129,8 +129,10 @@ def test_fsdp1_compiles_each_block_before_wrapping_and_equals_plain_fsdp(tmp_pat
 def test_deepspeed_compiles_each_block_before_initialize_and_equals_plain(tmp_path, stage):
     pytest.importorskip("deepspeed")
     from lightning.pytorch.strategies import DeepSpeedStrategy
+    from torch._dynamo.utils import get_compilation_metrics
 
     model, check, _ = fit_wrapped(tmp_path / "ours", RegionalCompileDeepSpeedStrategy(stage=stage))
+    frames = [m.co_filename or "" for m in get_compilation_metrics()]
     plain, _, _ = fit_wrapped(tmp_path / "plain", DeepSpeedStrategy(stage=stage))
     assert model.losses == pytest.approx(plain.losses, rel=1e-3)
     assert check.broken == []
@@ -138,3 +140,6 @@ def test_deepspeed_compiles_each_block_before_initialize_and_equals_plain(tmp_pa
     assert report.rows and not report.never_ran_compiled
     assert sum(row.graphs for row in report.rows) == 1
     assert model.model.lm_head.weight is model.model.wte.weight
+    assert [f for f in frames if f"{Path('deepspeed')}/" in f] == []  # no DeepSpeed frame
+    leaves = [getattr(block, "_z3_leaf", False) for block in model.model.blocks]
+    assert leaves == [stage == 3] * len(leaves)

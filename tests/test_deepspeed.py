@@ -1,0 +1,55 @@
+"""DeepSpeed ZeRO stages 1-3 on two CPU processes over gloo (``tests/deepspeed_run.py``):
+``RegionalCompileDeepSpeedStrategy``'s wrap hook prepares and compiles the tiny GPT, then
+``deepspeed.initialize`` takes it, as under Lightning on a GPU. Each stage trains as plain
+DeepSpeed does (every parameter partitioned under ZeRO-3), the tie stays one parameter,
+and no DeepSpeed code runs inside a region: dynamo compiled no DeepSpeed frame, traced no
+DeepSpeed line into a graph and reached no recompile limit (with ``module.compile()``,
+as accelerate and DeepSpeed's ``engine.compile()`` compile a block, ZeRO-3's hooks are
+traced and dynamo compiles DeepSpeed's own frames)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from processes import launch_env
+
+pytest.importorskip("deepspeed", reason="the .[deepspeed] extra (make install has it)")
+pytestmark = pytest.mark.ddp
+
+SCRIPT = Path(__file__).parent / "deepspeed_run.py"
+RUNS = (("aot_eager", 1), ("aot_eager", 2), ("aot_eager", 3), ("inductor", 3))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("deepspeed")
+    command = [sys.executable, str(SCRIPT), str(out), *(f"{b}:{s}" for b, s in RUNS)]
+    subprocess.run(command, check=True, env=launch_env() | {"DS_ACCELERATOR": "cpu"}, timeout=600)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def deepspeed_code(paths) -> list[str]:
+    return [path for path in paths if f"{Path('deepspeed')}/" in (path or "")]
+
+
+@pytest.mark.parametrize(("backend", "stage"), RUNS)
+def test_each_zero_stage_trains_as_plain_deepspeed_with_no_deepspeed_code_in_a_region(
+    ranks, backend, stage
+):
+    for rank in ranks:
+        plain, ours = rank[None, stage], rank[backend, stage]
+        assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+        atol = 1e-5 if backend == "inductor" else 1e-6  # inductor's own float order
+        for name, value in plain["params"].items():
+            torch.testing.assert_close(ours["params"][name], value, rtol=1e-4, atol=atol, msg=name)
+        assert ours["tied"] and plain["tied"]
+        assert ours["regions"] == 4 and ours["graphs"] == 1 and ours["never_ran_compiled"] == 0
+        assert ours["leaves"] == [stage == 3] * 4  # ZeRO-3 hooks each block, nothing inside
+        assert deepspeed_code(filename for _, filename in ours["frames"]) == []
+        assert deepspeed_code(ours["traced_files"]) == []
+        assert ours["traced_files"]  # the recording backend saw the block's code
+        assert ours["recompile_limit_hits"] == []
