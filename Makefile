@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-torch test-slow lint demo bench gpu-check clean
+.PHONY: install test test-torch test-slow lint demo bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -66,12 +66,33 @@ bench: install
 	$(PY) benchmarks/demo_noise.py
 	$(PY) benchmarks/memory.py
 
-# On a GPU machine: its own python3 and this source tree, nothing installed. Here the
-# venv's python, which finds no GPU and says so.
+# On a GPU machine: its own python3 and this source tree, nothing installed but the
+# wheels of .whl/ when they came along (make gpu-wheels), into a folder of their own. Here
+# the venv's python, which finds no GPU and says so (GPU_CHECK_ARGS="--device cpu" runs
+# every part small on the CPU instead).
 GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo python3)
+GPU_WHEELS := .whl
+GPU_SITE := /tmp/lightning-regions-gpu-site
 
 gpu-check:
-	PYTHONPATH=. $(GPU_PY) benchmarks/gpu_check.py
+	@if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+			--target $(GPU_SITE) $(GPU_WHEELS)/*.whl; fi
+	PYTHONPATH=.:$(GPU_SITE) $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# DeepSpeed for a GPU machine that has no registry and no deepspeed (docs/testing.md):
+# its wheel built here without its ops, and the wheels of its needs that machine lacks,
+# for its CPython 3.12 on x86-64, at this venv's versions. Carry .whl to it.
+GPU_WHEEL_NEEDS := hjson|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection
+
+gpu-wheels: install
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEELS) \
+		-r requirements-deepspeed.txt
+	$(PY) -m pip freeze | grep -iE '^($(GPU_WHEEL_NEEDS))==' >$(GPU_WHEELS)/needs.txt
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) -r $(GPU_WHEELS)/needs.txt
 
 clean:
 	rm -rf $(VENV) .venv-torch-* .venv-ci-torch .pytest_cache .ruff_cache .hypothesis

@@ -105,8 +105,10 @@ def model_classes(where: str) -> tuple[type, type]:
     return namespace["define"]()
 
 
-def train(way: str, classes: tuple[type, type], steps: int, device: str) -> dict[str, Any]:
-    """One run in this process; what ``figures`` reads."""
+def train(
+    way: str, classes: tuple[type, type], steps: int, device: str, size: dict | None = None
+) -> dict[str, Any]:
+    """One run in this process; what ``figures`` reads. ``size``: the GPT's, else ``SIZE``."""
     import lightning.pytorch as pl
     import torch
 
@@ -116,10 +118,11 @@ def train(way: str, classes: tuple[type, type], steps: int, device: str) -> dict
     clock = CpuClock()
     kind, whole, _, _ = WAYS[way]
     config_class, model_class = classes
-    data = CharDataModule(block_size=SIZE["block_size"], batch_size=BATCH)
-    module = GPTModule(vocab_size=data.vocab_size, **SIZE)
+    size = size or SIZE
+    data = CharDataModule(block_size=size["block_size"], batch_size=BATCH)
+    module = GPTModule(vocab_size=data.vocab_size, **size)
     torch.manual_seed(0)
-    module.model = model_class(config_class(data.vocab_size, **SIZE))
+    module.model = model_class(config_class(data.vocab_size, **size))
     strategy: Any = "auto"
     if whole:
         module.model.compile()
@@ -229,11 +232,15 @@ def run_notebook(way: str, steps: int, device: str) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
-def run_fresh(way: str, steps: int, device: str, cache: str) -> dict[str, Any]:
+def run_fresh(
+    way: str, steps: int, device: str, cache: str, size: dict | None = None
+) -> dict[str, Any]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
     if WAYS[way][2]:
         env |= ASYNC_ENV
     command = [sys.executable, __file__, "--child", way, "--steps", str(steps)]
+    size = size or SIZE
+    command += ["--depth", str(size["n_layer"]), "--width", str(size["n_embd"])]
     done = subprocess.run(
         [*command, "--device", device], cwd=ROOT, env=env, capture_output=True, text=True
     )
@@ -338,14 +345,17 @@ def main() -> None:
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--depth", type=int, default=SIZE["n_layer"])
+    parser.add_argument("--width", type=int, default=SIZE["n_embd"])
     parser.add_argument("--child", choices=list(WAYS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    size = SIZE | {"n_layer": args.depth, "n_embd": args.width}
     if args.child:
         where = WAYS[args.child][3]
         if where == "notebook":
             record = run_notebook(args.child, args.steps, args.device)
         else:
-            record = train(args.child, model_classes(where), args.steps, args.device)
+            record = train(args.child, model_classes(where), args.steps, args.device, size)
         print(json.dumps(record))
         return
     import torch
@@ -360,7 +370,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="background-bench-") as tmp:
             for way in order:
                 cache = os.path.join(tmp, f"cache-{way.replace(' ', '_')}")
-                runs[way] = run_fresh(way, args.steps, args.device, cache)
+                runs[way] = run_fresh(way, args.steps, args.device, cache, size)
                 print(f"round {index + 1}: {way}: {figures(runs[way])}", flush=True)
         rounds.append(runs)
     busy = load.cores()

@@ -44,6 +44,9 @@ VARIANTS = (
     "torch_nested",
 )
 TIMED_STEPS = 10
+#: CUDA graphs (inductor's ``mode="reduce-overhead"``), whole-model and ours: run by
+#: ``gpu_check.py``, not by this benchmark's default set.
+CUDA_GRAPH_VARIANTS = ("whole_cudagraphs", "regional_cudagraphs")
 
 
 def build(variant: str, depth: int, width: int, device: str = "cpu"):
@@ -58,6 +61,10 @@ def build(variant: str, depth: int, width: int, device: str = "cpu"):
     model = TinyGPT(config).to(device)
     if variant == "whole":
         return torch.compile(model)
+    if variant == "whole_cudagraphs":
+        return torch.compile(model, mode="reduce-overhead")
+    if variant == "regional_cudagraphs":
+        return compile_regions(model, inplace=True, mode="reduce-overhead")
     if variant == "accelerate":
         from accelerate.utils import compile_regions as accelerate_compile_regions
 
@@ -156,6 +163,7 @@ def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict
         "first_step_s": seconds[0],
         "steady_step_ms": 1000 * statistics.median(seconds[1 + WARMUP_STEPS :]),
         "graphs": counters["stats"]["unique_graphs"],
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
         "peak_rss_mb": rss_mb,
         "peak_gpu_mb": gpu_mb,
         "output_error": (first_logits - expected).abs().max().item(),
@@ -305,7 +313,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, variants: tuple[str, ...]
     parser.add_argument("--variants", nargs="+", default=list(variants), choices=variants)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--child", choices=variants, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=variants + CUDA_GRAPH_VARIANTS, help=argparse.SUPPRESS)
 
 
 def save_results(out: Path, name: str, device: str, markdown: str, data: dict) -> Path:

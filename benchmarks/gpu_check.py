@@ -1,44 +1,70 @@
-"""The headline on a CUDA GPU, in one command: ``make gpu-check`` (or this script).
+"""Every GPU-only claim, checked in one command on a lent GPU: ``make gpu-check``.
 
 Runs with the GPU machine's own ``python3`` and the package from this source tree
-(``PYTHONPATH=.``), nothing to install or download. In order, each start in its own
-process with a fresh, empty ``TORCHINDUCTOR_CACHE_DIR`` (triton's cache lives under it):
+(``PYTHONPATH=.``), nothing to install or download (DeepSpeed, which that machine lacks,
+can be carried: docs/testing.md). Six parts, each in its own process with its own
+timeout and a fresh, empty ``TORCHINDUCTOR_CACHE_DIR``, so a slow or failing part loses
+nothing of the others:
 
-1. cold first step and steady step of the tiny GPT (width 512, batch 8x128, forward and
-   backward) at depth 4 and 16: eager, whole-model ``torch.compile``, accelerate's
-   ``compile_regions`` (given the model without its alias, which it would drop), ours
-   in place, ours with ``granularity="nested"`` and torch's ``nested_compile_region`` on
-   the block class by hand (``benchmarks/compile_time.py --device cuda``), each with its
-   first step's largest output and gradient error against eager;
-2. the steady step of the same six at the deepest depth by the measurement protocol: all
-   six in one process, warmed, timed in 30 rounds interleaved across them, the median of
-   round medians and paired ratios with their uncertainty (``benchmarks/steady_step.py``,
-   ``benchmarks/protocol.py``);
-3. ``RegionalCompileStrategy`` with ``mode="reduce-overhead"`` (CUDA graphs) against the
-   default mode: 20 steps each, steady step (``examples/resume_run.py``);
-4. a warm resume from checkpoint artifacts into an empty cache directory, against cold.
+- ``cuda_tests``: everything in ``tests/test_cuda.py`` (``pytest -m cuda``; DeepSpeed's
+  stages when it is importable), one verdict per test;
+- ``cold_starts``: the tiny GPT's cold first step at depth 16 (width 512, batch 8x128,
+  forward and backward): eager, whole-model ``torch.compile``, accelerate, ours, ours
+  nested and torch's ``nested_compile_region`` by hand (``compile_time.py``);
+- ``steady_steps``: the steady step of the same six at depth 16, interleaved rounds
+  (``steady_step.py``, ``protocol.py``);
+- ``cuda_graphs``: ``mode="reduce-overhead"`` (CUDA graphs), ours against whole-model
+  ``torch.compile`` and against the default mode, with inductor's CUDA-graph skips;
+- ``warm_resume``: a resume from checkpoint artifacts into an empty cache, against cold;
+- ``background``: ``compile_in_background=True`` against eager and the default mode
+  (first step, time to steps 10 and 100, the switch's stall, children per run;
+  ``background_compile.py``).
 
-Sizes are chosen to finish in about 7 minutes on one H200 (estimated; budget: 8). Writes
-``gpu_check.json`` and ``gpu_check.md`` to ``--out`` and prints the ratios. Without a
-GPU it says so and exits with status 2. ``--device cpu --depths 1 --width 32`` runs the
-same steps on a CPU, small, to check the script itself before a GPU session.
+The parts run in two lanes side by side, the machine's cores split between them (each
+part's affinity, ``OMP_NUM_THREADS`` and inductor's compile threads): the timings
+(cold starts, CUDA graphs, warm resume, steady steps) in one, the checks (the cuda tests,
+then the background mode) in the other. The results name what ran beside what. Sizes and
+timeouts keep the whole within 9 minutes of wall time on one H200 (docs/testing.md has
+the estimate).
+
+Writes ``gpu_check.{json,md}`` to ``--out`` (commit, date, GPU, torch, lanes) and prints
+one verdict line per claim (``PASS``, ``FAIL``, ``SKIP`` or ``ERROR``). Without a GPU it
+says so and exits with status 2. ``--device cpu`` runs every part small on the CPU
+(``gpu_check_cpu.{json,md}``), to check the script itself before a GPU session.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 NO_GPU = 2
-VARIANTS = ("eager", "whole", "accelerate", "regional_inplace", "nested", "torch_nested")
-DEPTHS = (4, 16)
-WIDTH = 512
+COLD_VARIANTS = ("eager", "whole", "accelerate", "regional_inplace", "nested", "torch_nested")
+#: Each part's sizes on a GPU and, small, on a CPU (``--device cpu``).
+SIZES = {
+    "cuda": {"depth": 16, "width": 512, "graphs": (4, 256), "rounds": 30, "background": 16},
+    "cpu": {"depth": 2, "width": 32, "graphs": (2, 32), "rounds": 5, "background": 2},
+}
+#: part: (lane, timeout in seconds on a GPU, on this project's 2-core CPU)
+PARTS: dict[str, tuple[str, int, int]] = {
+    "cold_starts": ("timings", 200, 240),
+    "cuda_graphs": ("timings", 120, 150),
+    "warm_resume": ("timings", 90, 120),
+    "steady_steps": ("timings", 120, 150),
+    "cuda_tests": ("checks", 300, 120),
+    "background": ("checks", 220, 420),
+}
 RESUME_MODEL = ["--n-layer", "4", "--n-embd", "256", "--block-size", "64"]
 
 
@@ -55,168 +81,342 @@ def gpu_or_exit() -> str:
     if not torch.cuda.is_available():
         print(
             f"gpu-check: no CUDA GPU is present (torch {torch.__version__}, CUDA build "
-            f"{torch.version.cuda or 'none'}). This check measures the headline on a GPU; "
-            "run `make gpu-check` on a machine with one."
+            f"{torch.version.cuda or 'none'}). This check runs every GPU-only claim on a GPU; "
+            "run `make gpu-check` on a machine with one, or `python benchmarks/gpu_check.py "
+            "--device cpu` to check the script itself, small."
         )
         sys.exit(NO_GPU)
-    return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return torch.cuda.get_device_name()
 
 
-def step(name: str, results: dict, run) -> None:
-    """Run one part; a failure is recorded in one line and the other parts go on."""
-    start = time.perf_counter()
-    try:
-        results[name] = run()
-    except Exception as error:  # a broken part must not lose the others' figures
-        results[name] = {"error": f"{type(error).__name__}: {str(error)[-500:]}"}
-    print(f"[{time.perf_counter() - start:6.1f} s] {name}: {results[name]}", flush=True)
+# --- the parts, each run in its own process (--part) ---------------------------------------
 
 
-def cold_starts(device: str, depths: list[int], width: int) -> dict:
+def cuda_tests(device: str, size: dict) -> dict:
+    """``pytest -m cuda tests/test_cuda.py``: each test's outcome, from its JUnit report."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-tests-") as folder:
+        report = Path(folder) / "report.xml"
+        command = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q"]
+        command += ["-p", "no:cacheprovider", f"--junitxml={report}"]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if not report.exists():
+            return {"error": (done.stdout + done.stderr)[-800:]}
+        tests = {}
+        for case in ElementTree.parse(report).iter("testcase"):
+            outcome, detail = "passed", ""
+            for kind in ("failure", "error", "skipped"):
+                found = case.find(kind)
+                if found is not None:
+                    outcome = "skipped" if kind == "skipped" else "failed"
+                    detail = (found.get("message") or "")[:300]
+            tests[case.get("name", "?")] = {"outcome": outcome, "detail": detail}
+    return {"tests": tests, "tail": done.stdout[-600:]}
+
+
+def cold_starts(device: str, size: dict) -> dict:
     from compile_time import run_isolated
 
-    return {
-        str(depth): {v: run_isolated(v, depth, width, device) for v in VARIANTS} for depth in depths
-    }
+    return {v: run_isolated(v, size["depth"], size["width"], device) for v in COLD_VARIANTS}
 
 
-def steady_steps(device: str, depths: list[int], width: int) -> dict:
+def steady_steps(device: str, size: dict) -> dict:
     from steady_step import run_isolated
 
-    settings = argparse.Namespace(width=width, rounds=30, steps=3, device=device)
-    return {str(depth): run_isolated(depth, 1, settings) for depth in depths}
+    settings = argparse.Namespace(
+        width=size["width"], rounds=size["rounds"], steps=3, device=device
+    )
+    return run_isolated(size["depth"], 1, settings)
 
 
-def modes(device: str) -> dict:
+def cuda_graphs(device: str, size: dict) -> dict:
+    from compile_time import run_isolated
+
+    depth, width = size["graphs"]
+    variants = ("regional_inplace", "regional_cudagraphs", "whole", "whole_cudagraphs")
+    return {v: run_isolated(v, depth, width, device) for v in variants}
+
+
+def warm_resume(device: str, size: dict) -> dict:
     from warm_start import accelerator, start
 
-    out = {}
-    for mode in ("default", "reduce-overhead"):
-        with tempfile.TemporaryDirectory(prefix="gpu-mode-") as tmp:
-            model = [*RESUME_MODEL, "--accelerator", accelerator(device), "--batches", "20"]
-            model += [] if mode == "default" else ["--mode", mode]
-            out[mode] = start(model, Path(tmp) / "run", Path(tmp) / "cache", 20, None)
-    return out
-
-
-def warm_resume(device: str) -> dict:
-    from warm_start import accelerator, start
-
-    with tempfile.TemporaryDirectory(prefix="gpu-warm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gpu-check-warm-") as tmp:
         root, model = Path(tmp), [*RESUME_MODEL, "--accelerator", accelerator(device)]
         cold = start(model, root / "a", root / "cache", 2, None)
         artifacts = start(model, root / "b", root / "empty", 3, root / "a" / "last.ckpt")
     return {"cold": cold, "checkpoint_artifacts": artifacts}
 
 
-def markdown(results: dict) -> str:
-    lines = [f"GPU check on {results['machine']}.", ""]
-    cold = results.get("cold_starts", {})
-    if "error" in cold:
-        lines.append(f"cold starts failed: {cold['error']}")
-    else:
-        lines += [
-            "| depth | variant | first step (s) | vs whole | peak GPU (MB) | max gradient error |",
-            "|---|---|---|---|---|---|",
+def background(device: str, size: dict) -> dict:
+    from background_compile import SIZE, figures, run_fresh
+
+    gpt = SIZE | {"n_layer": size["background"], "n_embd": 256 if device == "cuda" else 32}
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-background-") as tmp:
+        for way in ("eager", "lightning_regions", "background"):
+            record = run_fresh(way, 100, device, os.path.join(tmp, way), gpt)
+            out[way] = {**figures(record), "children": record.get("children")}
+            out[way] |= {"error": record["error"]} if "error" in record else {}
+    return out
+
+
+RUNNERS = {
+    "cuda_tests": cuda_tests,
+    "cold_starts": cold_starts,
+    "steady_steps": steady_steps,
+    "cuda_graphs": cuda_graphs,
+    "warm_resume": warm_resume,
+    "background": background,
+}
+
+
+def run_part(name: str, device: str, cores: list[int], out: Path) -> None:
+    """In the part's own process: its share of the cores, then its figures to ``out``."""
+    os.sched_setaffinity(0, cores)
+    try:
+        result = RUNNERS[name](device, SIZES[device])
+    except Exception as error:  # a broken part is a result too: ERROR, with its cause
+        result = {"error": f"{type(error).__name__}: {str(error)[-800:]}"}
+    out.write_text(json.dumps(result))
+
+
+# --- the lanes ----------------------------------------------------------------------------
+
+
+def run_lanes(device: str) -> dict[str, dict]:
+    """Every part in its lane, both lanes side by side; each part's result and times."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    shares = {"timings": cores[:half], "checks": cores[half:] or cores[:half]}
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+
+    def lane(which: str) -> None:
+        for name, (lane_name, gpu_timeout, cpu_timeout) in PARTS.items():
+            if lane_name != which:
+                continue
+            timeout = gpu_timeout if device == "cuda" else cpu_timeout
+            share = shares[which]
+            begin = time.perf_counter() - started
+            with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as folder:
+                out = Path(folder) / "result.json"
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(folder) / "cache"))
+                env |= {"OMP_NUM_THREADS": str(len(share))}
+                env |= {"TORCHINDUCTOR_COMPILE_THREADS": str(len(share))}
+                command = [sys.executable, __file__, "--part", name, "--device", device]
+                command += ["--cores", ",".join(map(str, share)), "--part-out", str(out)]
+                try:
+                    subprocess.run(command, cwd=ROOT, env=env, timeout=timeout, check=False)
+                    result = json.loads(out.read_text()) if out.exists() else {"error": "no result"}
+                except subprocess.TimeoutExpired:
+                    result = {"error": f"timed out after {timeout} s"}
+            end = time.perf_counter() - started
+            results[name] = {"result": result, "lane": which, "start_s": begin, "end_s": end}
+            print(f"[{end:6.1f} s] {name} ({which}, {end - begin:.0f} s)", flush=True)
+
+    threads = [threading.Thread(target=lane, args=(which,)) for which in ("timings", "checks")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for part in results.values():  # what ran beside what
+        part["beside"] = [
+            other
+            for other, them in results.items()
+            if them["lane"] != part["lane"]
+            and them["start_s"] < part["end_s"]
+            and part["start_s"] < them["end_s"]
         ]
-        for depth, rows in cold.items():
-            whole = rows["whole"]
-            for variant, row in rows.items():
-                lines.append(
-                    f"| {depth} | {variant} | {row['first_step_s']:.1f} | "
-                    f"{row['first_step_s'] / whole['first_step_s']:.2f}x | "
-                    f"{row['peak_gpu_mb']:.0f} | {row['gradient_error']:.1e} |"
-                )
-    steady = results.get("steady_steps", {})
-    if "error" in steady:
-        lines.append(f"\nsteady steps failed: {steady['error']}")
-    elif steady:
-        from steady_step import table_lines
-
-        lines += ["", *table_lines(list(steady.values()))]
-    for name in ("modes", "warm_resume"):
-        part = results.get(name, {})
-        if "error" in part:
-            lines.append(f"\n{name} failed: {part['error']}")
-            continue
-        lines.append(f"\n| {name} | first step (s) | steady step (ms) | fx graph hits / misses |")
-        lines.append("|---|---|---|---|")
-        for kind, row in part.items():
-            steady = f"{row['steady_step_ms']:.2f}" if len(row["losses"]) > 2 else "-"
-            lines.append(
-                f"| {kind} | {row['first_step_s']:.1f} | {steady} | "
-                f"{row['fxgraph_hit']} / {row['fxgraph_miss']} |"
-            )
-    return "\n".join(lines) + "\n"
+    return results
 
 
-def ratios(results: dict) -> list[str]:
+# --- verdicts -----------------------------------------------------------------------------
+
+
+def verdict(ok: bool | None, claim: str, figures: str) -> str:
+    word = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+    return f"{word} {claim}: {figures}"
+
+
+def verdicts(parts: dict[str, dict]) -> list[str]:
+    """One line per claim, from each part's result."""
     lines = []
-    cold = results.get("cold_starts", {})
-    for depth in results.get("depths", DEPTHS):
-        rows = cold.get(str(depth), {})
-        if {"whole", "regional_inplace", "accelerate"} <= set(rows):
-            ours, whole = rows["regional_inplace"], rows["whole"]
-            lines.append(
-                f"depth {depth}: regional first step {ours['first_step_s']:.1f} s = "
-                f"{whole['first_step_s'] / ours['first_step_s']:.1f}x faster than whole-model "
-                f"({whole['first_step_s']:.1f} s), "
-                f"{ours['first_step_s'] / rows['accelerate']['first_step_s']:.2f}x accelerate"
-            )
-        if {"whole", "nested", "torch_nested"} <= set(rows):
-            nested, whole, torch_nested = rows["nested"], rows["whole"], rows["torch_nested"]
-            lines.append(
-                f"depth {depth}: nested first step {nested['first_step_s']:.1f} s = "
-                f"{nested['first_step_s'] / whole['first_step_s']:.2f}x whole, "
-                f"{nested['first_step_s'] / torch_nested['first_step_s']:.2f}x torch's nested by "
-                f"hand; gradient error {nested['gradient_error']:.1e} (torch's by hand "
-                f"{torch_nested['gradient_error']:.1e})"
-            )
-    for depth, result in results.get("steady_steps", {}).items():
-        if depth == "error":
+    for name, part in parts.items():
+        result = part["result"]
+        if "error" in result:
+            lines.append(f"ERROR {name}: {result['error'][-300:]}")
             continue
-        whole, accelerate = result["ratio"]["whole"], result["ratio"]["accelerate"]
-        within = result["ratio_uncertainty"]["whole"]["regional_inplace"]
-        lines.append(
-            f"depth {depth}: steady step, regions {whole['regional_inplace']:.3f}x whole "
-            f"(+-{100 * within:.1f}%) and {accelerate['regional_inplace']:.3f}x accelerate, "
-            f"nested {whole['nested']:.3f}x whole"
-        )
-    modes = results.get("modes", {})
-    if "reduce-overhead" in modes and "default" in modes:
-        ratio = modes["reduce-overhead"]["steady_step_ms"] / modes["default"]["steady_step_ms"]
-        lines.append(f"reduce-overhead steady step: {ratio:.2f}x the default mode's")
-    warm = results.get("warm_resume", {})
-    if "cold" in warm and "checkpoint_artifacts" in warm:
-        ratio = warm["checkpoint_artifacts"]["first_step_s"] / warm["cold"]["first_step_s"]
-        lines.append(f"warm resume from checkpoint artifacts: {ratio:.2f}x cold")
+        lines += CLAIMS[name](result)
     return lines
+
+
+def cuda_test_claims(result: dict) -> list[str]:
+    lines = []
+    for test, record in result["tests"].items():
+        ok = {"passed": True, "failed": False}.get(record["outcome"])
+        lines.append(verdict(ok, f"cuda test {test}", record["outcome"] + " " + record["detail"]))
+    return lines or [verdict(False, "cuda tests", "none collected: " + result["tail"])]
+
+
+def cold_start_claims(rows: dict) -> list[str]:
+    ours, whole, nested = rows["regional_inplace"], rows["whole"], rows["nested"]
+    by_hand, accelerate = rows["torch_nested"], rows["accelerate"]
+    ratio = ours["first_step_s"] / whole["first_step_s"]
+    nested_ratio = nested["first_step_s"] / by_hand["first_step_s"]
+    errors = max(rows[v]["gradient_error"] for v in ("regional_inplace", "nested"))
+    return [
+        verdict(
+            ratio < 1,
+            "regional first step sooner than whole-model torch.compile's",
+            f"{ours['first_step_s']:.1f} s vs {whole['first_step_s']:.1f} s ({ratio:.2f}x); "
+            f"accelerate {accelerate['first_step_s']:.1f} s",
+        ),
+        verdict(
+            nested_ratio <= 1.05,
+            "nested first step within 1.05x torch's nested_compile_region by hand",
+            f"{nested['first_step_s']:.1f} s vs {by_hand['first_step_s']:.1f} s "
+            f"({nested_ratio:.2f}x)",
+        ),
+        verdict(
+            errors < 1e-2,
+            "regional and nested first-step gradients equal eager's",
+            f"largest error {errors:.1e} (torch's nested by hand: "
+            f"{by_hand['gradient_error']:.1e}, whole-model: {whole['gradient_error']:.1e})",
+        ),
+    ]
+
+
+def steady_claims(result: dict) -> list[str]:
+    ms = result["ms"]
+    best = min(ms["eager"], ms["whole"])
+    ratio = ms["regional_inplace"] / best
+    return [
+        verdict(
+            ratio <= 1.02,
+            "regional steady step within 1.02x the faster of eager and whole-model",
+            ", ".join(f"{v} {t:.2f} ms" for v, t in ms.items()) + f"; ours {ratio:.2f}x",
+        )
+    ]
+
+
+def cuda_graph_claims(rows: dict) -> list[str]:
+    ours, default = rows["regional_cudagraphs"], rows["regional_inplace"]
+    whole = rows["whole_cudagraphs"]
+    ratio = ours["steady_step_ms"] / default["steady_step_ms"]
+    return [
+        verdict(
+            ratio <= 0.6,
+            "regional CUDA graphs' steady step at most 0.6x the default mode's",
+            f"{ours['steady_step_ms']:.2f} ms vs {default['steady_step_ms']:.2f} ms "
+            f"({ratio:.2f}x); whole-model CUDA graphs {whole['steady_step_ms']:.2f} ms, "
+            f"peak GPU ours {ours['peak_gpu_mb']:.0f} MB, whole {whole['peak_gpu_mb']:.0f} MB",
+        ),
+        verdict(
+            ours["cudagraph_skips"] == 0,
+            "no region's CUDA graph skipped by inductor",
+            f"cudagraph_skips {ours['cudagraph_skips']} (whole-model {whole['cudagraph_skips']})",
+        ),
+    ]
+
+
+def warm_claims(result: dict) -> list[str]:
+    cold, warm = result["cold"], result["checkpoint_artifacts"]
+    ratio = warm["first_step_s"] / cold["first_step_s"]
+    return [
+        verdict(
+            ratio < 0.5 and warm["fxgraph_miss"] == 0,
+            "a resume from checkpoint artifacts starts warm",
+            f"first step {warm['first_step_s']:.1f} s vs cold {cold['first_step_s']:.1f} s "
+            f"({ratio:.2f}x), FX graph misses {warm['fxgraph_miss']}",
+        )
+    ]
+
+
+def background_claims(ways: dict) -> list[str]:
+    eager, ours = ways["eager"], ways["background"]
+    if "step_10" not in ours or "step_10" not in eager:
+        return [verdict(False, "background mode ran", json.dumps(ways)[:300])]
+    limit = 1.5 * eager["step_10"] + 1
+    return [
+        verdict(
+            ours["step_10"] <= limit,
+            "background step 10 within 1.5x eager's + 1 s",
+            f"{ours['step_10']:.1f} s vs limit {limit:.1f} s (eager {eager['step_10']:.1f} s, "
+            f"default mode {ways['lightning_regions'].get('step_10', float('nan')):.1f} s)",
+        ),
+        verdict(
+            ours.get("children") == 1 and "stall" in ours,
+            "background switched, with one child",
+            f"children {ours.get('children')}, switch at step {ours.get('switch_step')}, "
+            f"stall {ours.get('stall', float('nan')):.2f} s",
+        ),
+    ]
+
+
+CLAIMS = {
+    "cuda_tests": cuda_test_claims,
+    "cold_starts": cold_start_claims,
+    "steady_steps": steady_claims,
+    "cuda_graphs": cuda_graph_claims,
+    "warm_resume": warm_claims,
+    "background": background_claims,
+}
+
+
+# --- provenance and files -----------------------------------------------------------------
+
+
+def provenance(device: str, machine: str) -> dict[str, Any]:
+    import torch
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "commit": commit or "unknown",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": machine,
+        "torch": torch.__version__,
+        "cores": len(os.sched_getaffinity(0)),
+        "command": "make gpu-check" if device == "cuda" else f"{Path(__file__).name} --device cpu",
+    }
+
+
+def markdown(about: dict, parts: dict[str, dict], lines: list[str]) -> str:
+    head = (
+        f"GPU check at commit {about['commit']}, {about['date']}, on {about['device']}, torch "
+        f"{about['torch']}, {about['cores']} cores split between two lanes; "
+        f"`{about['command']}`, {about['seconds']:.0f} s in all."
+    )
+    rows = ["| part | lane | seconds | ran beside |", "|---|---|---|---|"]
+    for name, part in parts.items():
+        seconds = part["end_s"] - part["start_s"]
+        rows.append(f"| {name} | {part['lane']} | {seconds:.0f} | {', '.join(part['beside'])} |")
+    return "\n".join([head, "", *rows, "", *(f"- {line}" for line in lines)]) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
-    parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
-    parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--part", choices=list(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--cores", help=argparse.SUPPRESS)
+    parser.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    machine = gpu_or_exit() if args.device == "cuda" else f"{args.device} (script check)"
-    results: dict = {"machine": machine, "depths": args.depths}
+    if args.part:
+        run_part(args.part, args.device, [int(c) for c in args.cores.split(",")], args.part_out)
+        return
+    machine = gpu_or_exit() if args.device == "cuda" else "CPU (script check, small)"
     started = time.perf_counter()
-    step("cold_starts", results, lambda: cold_starts(args.device, args.depths, args.width))
-    deepest = [max(args.depths)]
-    step("steady_steps", results, lambda: steady_steps(args.device, deepest, args.width))
-    step("modes", results, lambda: modes(args.device))
-    step("warm_resume", results, lambda: warm_resume(args.device))
-    results["seconds"] = time.perf_counter() - started
+    about = provenance(args.device, machine)
+    parts = run_lanes(args.device)
+    about["seconds"] = time.perf_counter() - started
+    lines = verdicts(parts)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "gpu_check" if args.device == "cuda" else f"gpu_check_{args.device}"
-    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (args.out / f"{name}.md").write_text(table)
-    print(table)
-    print("\n".join(ratios(results)))
-    print(f"gpu-check took {results['seconds']:.0f} s")
+    name = "gpu_check" if args.device == "cuda" else "gpu_check_cpu"
+    (args.out / f"{name}.json").write_text(json.dumps({**about, "parts": parts}, indent=1))
+    (args.out / f"{name}.md").write_text(markdown(about, parts, lines))
+    print("\n".join(f"gpu-check: {line}" for line in lines))
+    print(f"gpu-check took {about['seconds']:.0f} s; results in {args.out / name}.md")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""``make gpu-check`` on a machine without a GPU: one clear line, exit status 2, no
+traceback; and its verdicts name a part that failed (the whole script runs small on the
+CPU with ``--device cpu``, outside the suite: docs/testing.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert done.stdout.startswith("gpu-check: no CUDA GPU is present")
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_failed_part_is_an_error_line_and_the_others_still_judged():
+    from gpu_check import verdicts
+
+    parts = {
+        "cold_starts": {"result": {"error": "timed out after 200 s"}},
+        "warm_resume": {
+            "result": {
+                "cold": {"first_step_s": 10.0, "fxgraph_miss": 4},
+                "checkpoint_artifacts": {"first_step_s": 2.0, "fxgraph_miss": 0},
+            }
+        },
+    }
+    lines = verdicts(parts)
+    assert lines[0] == "ERROR cold_starts: timed out after 200 s"
+    assert lines[1].startswith("PASS a resume from checkpoint artifacts starts warm: first step")
