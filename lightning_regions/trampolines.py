@@ -72,8 +72,8 @@ class CompiledForward:
     it. ``compiled`` is ``torch.compile`` of the class's ``forward`` or of a ``forward_``
     trampoline, called with the module.
 
-    Saved (``torch.save``, pickle) as the module's plain ``forward``, as torch drops the
-    compiled call of ``module.compile()``; a deep copy is compiled too, bound to the copy.
+    Saved (``torch.save``, pickle) and deep-copied as the module's plain ``forward``, as
+    torch drops the compiled call of ``module.compile()`` there: the copy is a plain model.
     """
 
     def __init__(self, module: nn.Module, compiled: Callable[..., Any]) -> None:
@@ -86,8 +86,8 @@ class CompiledForward:
     def __reduce__(self) -> tuple[Any, ...]:
         return (getattr, (self.module, FORWARD))
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledForward:
-        return CompiledForward(copy.deepcopy(self.module, memo), self.compiled)
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return getattr(copy.deepcopy(self.module, memo), FORWARD)
 
 
 def compiled_forward(module: nn.Module) -> CompiledForward | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+from types import MethodType
 
 import pytest
 import torch
@@ -80,9 +81,12 @@ def test_compiling_twice_compiles_nothing_again():
     assert [vars(layer)["forward"] for layer in model.layers] == forwards
 
 
-def test_saved_and_deep_copied_models_work_and_a_saved_one_is_plain():
+@pytest.mark.parametrize("observe_calls", [1, None], ids=["after", "while_observed"])
+def test_saved_and_deep_copied_models_are_plain_ones_with_the_same_outputs(observe_calls):
     model = SharedModel()
-    compile_regions(model, inplace=True, backend="eager", eager_hooks=True, observe_calls=1)
+    compile_regions(
+        model, inplace=True, backend="eager", eager_hooks=True, observe_calls=observe_calls
+    )
     x = tokens()
     expected = model(x)
     buffer = io.BytesIO()
@@ -91,11 +95,12 @@ def test_saved_and_deep_copied_models_work_and_a_saved_one_is_plain():
     copied = copy.deepcopy(model)
     torch.testing.assert_close(loaded(x), expected)
     torch.testing.assert_close(copied(x), expected)
-    assert not any(
-        type(vars(m).get("forward")).__name__ == "CompiledForward" for m in loaded.modules()
-    )
-    copied_forward = vars(copied.blocks[1])["forward"]
-    assert copied_forward.module is copied.blocks[1]  # compiled, bound to the copy
+    for plain in (loaded, copied):  # as after torch's module.compile(): nothing compiled
+        forwards = [vars(m).get("forward") for m in plain.blocks]
+        assert all(
+            f is None or (type(f) is MethodType and f.__self__ is m)
+            for f, m in zip(forwards, plain.blocks)
+        )
 
 
 @pytest.mark.parametrize(
