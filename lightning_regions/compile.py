@@ -380,6 +380,24 @@ def tracker_of(module: nn.Module) -> RegionTracker | None:
     return module.__dict__.get(TRACKER_ATTRIBUTE)
 
 
+def set_regions_eager(module: nn.Module, eager: bool) -> None:
+    """Run the regions ``compile_regions(module, inplace=True)`` compiled eager (each
+    compiled call set aside, in place: parameters, hooks and ``state_dict`` keys are
+    untouched), or compiled again (the same compiled calls: nothing recompiles). Ends
+    their observation."""
+    tracker = tracker_of(module)
+    if tracker is None:
+        raise ValueError(f"{type(module).__name__} has no regions compiled in place.")
+    for observer in tracker.observers:
+        observer.end()
+        if not eager:
+            observer.slot[observer.key] = observer.call
+        elif observer.key == FORWARD:  # a compiled forward (eager_hooks): the class's again
+            observer.slot.pop(FORWARD, None)
+        else:
+            observer.slot[observer.key] = None
+
+
 def end_observation(module: nn.Module) -> None:
     """Stop counting calls of ``module``'s regions: torch's compiled calls go back in place."""
     tracker = tracker_of(module)

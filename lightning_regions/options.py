@@ -124,6 +124,16 @@ class RegionalOptions:
             "warning, and the regions compile in the training process."
         ),
     )
+    keep_if_faster: bool = field(
+        default=True,
+        metadata=_doc(
+            "time this run's own training steps with the regions compiled, then eager (4 "
+            "each, from the third compiled step), and keep them compiled only where that "
+            "is at least 1% faster, agreed by every process; the log and the report give "
+            "both figures and the decision, once (docs/diagnosis.md). ``False``: always "
+            "compiled."
+        ),
+    )
     granularity: Literal["regions", "nested"] = field(
         default="regions",
         metadata=_doc(

@@ -108,6 +108,7 @@ class RegionReport:
     variants: tuple[ClassVariants, ...] = ()  # classes of more than one variant
     breaks: tuple[RegionGraphBreaks, ...] = ()  # classes whose calls ran in pieces
     ddp_split: tuple[DDPSplit, ...] = ()  # classes whose graph DDP's optimizer split
+    payoff: str = ""  # compiled against eager on this run's steps, once decided
 
     @property
     def graphs(self) -> int:
@@ -197,6 +198,8 @@ class RegionReport:
             lines.append(f"  GRAPH BREAKS in {split}")
         for pieces in self.ddp_split:
             lines.append(f"  compiled in pieces: {pieces}")
+        if self.payoff:
+            lines.append(f"  on this run's steps: {self.payoff}")
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
@@ -261,6 +264,7 @@ def region_report(model: nn.Module) -> RegionReport:
             [RegionFrames(r.class_name, r.paths[0], r.graphs_per_call, r.frames) for r in regional]
         ),
         ddp_split=ddp_splits(regional),
+        payoff=tracker.payoff,
     )
 
 

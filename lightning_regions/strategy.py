@@ -31,6 +31,7 @@ from .compile import tracker_of
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
 from .options import RegionalOptions, split_options, takes_options
+from .payoff import CompilePayoff
 from .recipe import CompileRecipe
 from .regions import RegionPlan, find_regions
 from .report import region_report
@@ -81,6 +82,8 @@ class RegionalCompileBase:
         )
         self.reporter = FirstStepReporter(options.recompile_warn_threshold)
         self.background: BackgroundCompile | None = None
+        #: Whether the compiled regions pay on this run's steps (``keep_if_faster``).
+        self.payoff: CompilePayoff | None = None
         #: What the background switch compiles: (module, root_is_called, plan, recipe).
         self._compile_at_switch: tuple[Any, bool, RegionPlan, CompileRecipe] | None = None
 
@@ -165,6 +168,10 @@ class RegionalCompileBase:
         self.reporter.after_optimizer_step(module, phase)
         if first and self.background is not None and self.background.switched:
             rank_zero_info(self.background.summary())
+        if self.payoff is not None:
+            decision = self.payoff.at_step_boundary(module, self)  # type: ignore[arg-type]
+            if decision is not None:
+                rank_zero_info(f"regional compile on this run's steps: {decision}")
 
     def _compile_now(
         self, module: Any, root_is_called: bool, plan: RegionPlan | None, recipe: CompileRecipe
@@ -172,6 +179,8 @@ class RegionalCompileBase:
         recipe.compile(module, plan, root_is_called)
         rank_zero_info(f"{region_report(module)}")
         self.reporter.enter()
+        pays = self.options.keep_if_faster and self.trains_here()
+        self.payoff = CompilePayoff() if pays else None
 
 
 class RegionalCompileMixin(RegionalCompileBase, Strategy):

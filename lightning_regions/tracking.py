@@ -368,7 +368,7 @@ class ObservedRegion:
                 self.end()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        # a copy is not observed: a compiled forward copies itself onto the copy; torch's
+        # a copy is not observed: a compiled forward copies as the plain one; torch's
         # compiled call in this slot is shared, as torch's own copy would share it
         if isinstance(self.call, CompiledForward):
             return copy.deepcopy(self.call, memo)
@@ -415,6 +415,8 @@ class RegionTracker:
     observe_calls: int | None = OBSERVED_CALLS
     observers: list[ObservedRegion] = field(default_factory=list)
     frames: FrameLog = field(default_factory=FrameLog)
+    #: Whether compiling paid on this run's steps, once decided (``payoff.CompilePayoff``).
+    payoff: str = ""
 
     def __post_init__(self) -> None:
         regions = self.plan.regions

@@ -94,7 +94,7 @@ def train_both(block: type[nn.Module], root: str) -> dict:
     many steps, both with validation every 4 steps and the default sanity check."""
     wait = WaitForTheSwitch(seconds=0.2, after=12)  # a variable last batch after the switch
     ours = Model(block)
-    strategy = RegionalCompileStrategy(compile_in_background=True)
+    strategy = RegionalCompileStrategy(compile_in_background=True, keep_if_faster=False)
     options = {"val_check_interval": 4, "num_sanity_val_steps": 2, "limit_val_batches": 1}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -103,7 +103,7 @@ def train_both(block: type[nn.Module], root: str) -> dict:
         )
     default = Model(block)
     torch._dynamo.reset()
-    trainer(root, RegionalCompileStrategy(), len(ours.losses), **options).fit(
+    trainer(root, RegionalCompileStrategy(keep_if_faster=False), len(ours.losses), **options).fit(
         default, batches(), batches()
     )
     return {

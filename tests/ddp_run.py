@@ -1,6 +1,6 @@
 """Two-process DDP over gloo on CPU, run as a script (Lightning re-launches it per rank).
 
-Usage: python tests/ddp_run.py {regional,nested,eager,background,eager_long} OUT_DIR
+Usage: python tests/ddp_run.py {regional,nested,eager,background,eager_long,payoff} OUT_DIR
 Each rank writes its final parameters and losses to OUT_DIR/<mode>_rank<r>.pt.
 """
 
@@ -10,6 +10,7 @@ import io
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,7 +31,14 @@ def main(mode: str, out: Path) -> None:
         strategy = RegionalCompileDDPStrategy(backend="eager", process_group_backend="gloo")
     elif mode == "background":
         strategy = RegionalCompileDDPStrategy(
-            backend="aot_eager", process_group_backend="gloo", compile_in_background=True
+            backend="aot_eager",
+            process_group_backend="gloo",
+            compile_in_background=True,
+            keep_if_faster=False,  # 120 steps: the switch is tested here, the payoff below
+        )
+    elif mode == "payoff":  # rank 0 finds compiled slower; rank 1 would keep it
+        strategy = RegionalCompileDDPStrategy(
+            backend=SlowOnRankZero(), process_group_backend="gloo"
         )
     elif mode == "nested":
         strategy = RegionalCompileDDPStrategy(
@@ -40,9 +48,9 @@ def main(mode: str, out: Path) -> None:
         strategy = "ddp"
     long = mode in ("background", "eager_long")  # long enough for the child to finish
     waiting = [WaitForTheSwitch(0.5)] if mode == "background" else []  # 60 s for the child
-    trainer = make_trainer(
-        None, strategy, BACKGROUND_STEPS if long else 3, [TiedWeightsCheck(), *waiting], devices=2
-    )
+    waiting += [LenientRankOne()] if mode == "payoff" else []
+    steps = BACKGROUND_STEPS if long else PAYOFF_STEPS if mode == "payoff" else 3
+    trainer = make_trainer(None, strategy, steps, [TiedWeightsCheck(), *waiting], devices=2)
     trainer.fit(model, data)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     unit = model.model if mode == "nested" else model.model.blocks[0]
@@ -56,6 +64,10 @@ def main(mode: str, out: Path) -> None:
         payload["child_left"] = background.process is not None
         payload["children"] = len(background.pids)
         payload["threads"] = waiting[0].threads
+    if mode == "payoff":
+        decision = trainer.strategy.payoff.decision
+        payload["kept"] = decision.kept
+        payload["compiled_ms"], payload["eager_ms"] = decision.compiled_ms, decision.eager_ms
     if mode == "nested":
         rows = region_report(model).nested
         payload["nested_calls"] = sum(row.nested_calls for row in rows)
@@ -65,6 +77,36 @@ def main(mode: str, out: Path) -> None:
 
 #: Steps of the background runs: the child needs seconds to start and compile.
 BACKGROUND_STEPS = 120
+#: Steps of the payoff run: its decision comes at step 12 (payoff.py).
+PAYOFF_STEPS = 14
+
+
+class SlowOnRankZero:
+    """``aot_eager``, each compiled call 30 ms slower on global rank 0 only."""
+
+    def __call__(self, gm, example_inputs):
+        import time
+
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        if torch.distributed.get_rank() != 0:
+            return compiled
+
+        def slower(*args):
+            time.sleep(0.03)
+            return compiled(*args)
+
+        return slower
+
+
+class LenientRankOne(pl.Callback):
+    """Global rank 1 keeps compiled unless it is 101 times slower than eager: the ranks'
+    steps go in lockstep, so they measure alike, and only such a rule parts them."""
+
+    def on_train_start(self, trainer, module) -> None:
+        from lightning_regions import payoff
+
+        if trainer.global_rank == 1:
+            payoff.EDGE = -100.0
 
 
 def saved_loads_equal(model: GPTModule, wrapped: torch.nn.Module) -> bool:

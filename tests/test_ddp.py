@@ -57,3 +57,16 @@ def test_background_compile_runs_one_child_and_switches_every_rank_at_one_step(t
     for name, value in background[0]["params"].items():
         torch.testing.assert_close(background[1]["params"][name], value, rtol=0, atol=0)
         torch.testing.assert_close(value, eager_long[0]["params"][name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.ddp
+def test_every_rank_takes_the_same_keep_or_revert_decision(tmp_path):
+    # rank 0 measures compiled slower (its backend sleeps); rank 1, in lockstep, measures
+    # alike but keeps compiled unless it is 101x slower: alone they would part ways
+    ranks = run_ddp("payoff", tmp_path)
+    assert ranks[0]["compiled_ms"] > ranks[0]["eager_ms"]
+    assert ranks[1]["compiled_ms"] < 101 * ranks[1]["eager_ms"]
+    assert [rank["kept"] for rank in ranks] == [False, False]
+    assert [rank["compiled"] for rank in ranks] == [False, False]
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][name], value, rtol=0, atol=0, msg=name)

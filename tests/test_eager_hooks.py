@@ -99,7 +99,7 @@ def test_saved_and_deep_copied_models_are_plain_ones_with_the_same_outputs(obser
         forwards = [vars(m).get("forward") for m in plain.blocks]
         assert all(
             f is None or (type(f) is MethodType and f.__self__ is m)
-            for f, m in zip(forwards, plain.blocks)
+            for f, m in zip(forwards, plain.blocks, strict=True)
         )
 
 

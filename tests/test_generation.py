@@ -234,7 +234,8 @@ def test_variable_lengths_under_dynamic_none_recompile_once_then_run_symbolic():
 
 def test_variable_lengths_under_dynamic_false_warn_of_the_storm_before_the_limit():
     module = Generating(gpt2)
-    strategy = RegionalCompileStrategy(backend="aot_eager", dynamic=False)
+    # compiled through every step: the storm is what is tested (payoff: test_payoff.py)
+    strategy = RegionalCompileStrategy(backend="aot_eager", dynamic=False, keep_if_faster=False)
     with pytest.warns(UserWarning) as caught:
         fit_lengths(module, strategy, [8 + 2 * n for n in range(10)])  # 10 shapes
     ours = [w for w in caught if w.category in (RecompileStormWarning, RegionNotCompiledWarning)]

@@ -19,6 +19,7 @@ LAYERS = {
     "Lightning and Fabric glue": (
         "environment",
         "first_step",
+        "payoff",
         "background",
         "strategy",
         "fabric",
