@@ -18,7 +18,12 @@ nothing of the others:
 - ``warm_resume``: a resume from checkpoint artifacts into an empty cache, against cold;
 - ``background``: ``compile_in_background=True`` against eager and the default mode
   (first step, time to steps 10 and 100, the switch's stall, children per run;
-  ``background_compile.py``).
+  ``background_compile.py``);
+- ``real_models``: transformers' GPT-2 small and a Llama-3.2-1B-shaped decoder from their
+  configs (random weights, no download), bf16 autocast, a batch that makes the step
+  GPU-bound, a plain AdamW loop: eager, ours (``compile_regions(inplace=True)``),
+  whole-model ``torch.compile`` and accelerate; first step, steady step, time to steps 10
+  and 100. Each finished run is kept if the part runs out of time.
 
 The parts run in two lanes side by side, the machine's cores split between them (each
 part's affinity, ``OMP_NUM_THREADS`` and inductor's compile threads): the timings
@@ -62,9 +67,34 @@ PARTS: dict[str, tuple[str, int, int]] = {
     "cuda_graphs": ("timings", 120, 150),
     "warm_resume": ("timings", 90, 120),
     "steady_steps": ("timings", 120, 150),
-    "cuda_tests": ("checks", 300, 120),
-    "background": ("checks", 220, 420),
+    "cuda_tests": ("checks", 200, 120),
+    "background": ("checks", 120, 420),
+    "real_models": ("checks", 220, 240),
 }
+#: The real models: transformers config, batch and sequence length on a GPU.
+REAL_MODELS = {
+    "gpt2_small": ("GPT2Config", {"n_layer": 12, "n_embd": 768, "n_head": 12}, 8, 1024),
+    "llama_1b": (
+        "LlamaConfig",
+        {
+            "num_hidden_layers": 16,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+        },
+        4,
+        1024,
+    ),
+}
+#: The same, small, on a CPU (--device cpu).
+SMALL_REAL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "num_hidden_layers": 2}
+SMALL_REAL |= {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+SMALL_REAL |= {"num_key_value_heads": 2, "vocab_size": 64}
+REAL_WAYS = ("eager", "ours", "whole", "accelerate")
+REAL_STEPS = (1, 10, 50, 100)
 RESUME_MODEL = ["--n-layer", "4", "--n-embd", "256", "--block-size", "64"]
 
 
@@ -159,6 +189,78 @@ def background(device: str, size: dict) -> dict:
     return out
 
 
+def real_models(device: str, size: dict, out: Path | None = None) -> dict:
+    """Each (model, way) in its own process, fresh caches; kept in ``out`` as it goes."""
+    results: dict[str, dict] = {}
+    for model in REAL_MODELS:
+        for way in REAL_WAYS:
+            with tempfile.TemporaryDirectory(prefix="gpu-check-real-") as cache:
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+                command = [sys.executable, __file__, "--real", model, way, "--device", device]
+                done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                figures = {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+            else:
+                figures = json.loads(done.stdout.strip().splitlines()[-1])
+            results.setdefault(model, {})[way] = figures
+            if out is not None:
+                out.write_text(json.dumps({**results, "partial": True}))
+    return results
+
+
+def real_run(model: str, way: str, device: str) -> dict:
+    """One (model, way): build, then train ``REAL_STEPS[-1]`` steps in bf16 autocast, with a
+    synchronize only at the steps ``REAL_STEPS`` names."""
+    import torch
+    import transformers
+
+    from lightning_regions import compile_regions
+    from lightning_regions.kv_cache import disable_kv_cache_unless_asked
+
+    config_name, config, batch, length = REAL_MODELS[model]
+    if device != "cuda":
+        names = getattr(transformers, config_name)().to_dict()
+        config = {k: v for k, v in SMALL_REAL.items() if k in names} | {"vocab_size": 64}
+        batch, length = 2, 16
+    torch.manual_seed(0)
+    built = getattr(transformers, config_name)(**config)
+    net = transformers.AutoModelForCausalLM.from_config(built).to(device).train()
+    if way == "whole":
+        net = torch.compile(net)
+    elif way == "accelerate":
+        from accelerate.utils import compile_regions as accelerate_compile_regions
+
+        net = accelerate_compile_regions(net)
+    elif way == "ours":
+        disable_kv_cache_unless_asked(net)  # as the strategies do
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True
+        compile_regions(net, inplace=True)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    vocab = built.vocab_size
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    marks = {}
+    start = time.perf_counter()
+    for step in range(1, REAL_STEPS[-1] + 1):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = net(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step in REAL_STEPS:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            marks[step] = time.perf_counter() - start
+    steady = (marks[100] - marks[50]) / 50
+    return {
+        "first_step_s": marks[1],
+        "step_10_s": marks[10],
+        "step_100_s": marks[100],
+        "steady_step_ms": 1000 * steady,
+        "loss": loss.item(),
+    }
+
+
 RUNNERS = {
     "cuda_tests": cuda_tests,
     "cold_starts": cold_starts,
@@ -166,6 +268,7 @@ RUNNERS = {
     "cuda_graphs": cuda_graphs,
     "warm_resume": warm_resume,
     "background": background,
+    "real_models": real_models,
 }
 
 
@@ -173,7 +276,10 @@ def run_part(name: str, device: str, cores: list[int], out: Path) -> None:
     """In the part's own process: its share of the cores, then its figures to ``out``."""
     os.sched_setaffinity(0, cores)
     try:
-        result = RUNNERS[name](device, SIZES[device])
+        if name == "real_models":  # keeps what finished in out as it goes
+            result = real_models(device, SIZES[device], out)
+        else:
+            result = RUNNERS[name](device, SIZES[device])
     except Exception as error:  # a broken part is a result too: ERROR, with its cause
         result = {"error": f"{type(error).__name__}: {str(error)[-800:]}"}
     out.write_text(json.dumps(result))
@@ -208,7 +314,8 @@ def run_lanes(device: str) -> dict[str, dict]:
                     subprocess.run(command, cwd=ROOT, env=env, timeout=timeout, check=False)
                     result = json.loads(out.read_text()) if out.exists() else {"error": "no result"}
                 except subprocess.TimeoutExpired:
-                    result = {"error": f"timed out after {timeout} s"}
+                    kept = json.loads(out.read_text()) if out.exists() else {}
+                    result = {**kept, "error": f"timed out after {timeout} s"}
             end = time.perf_counter() - started
             results[name] = {"result": result, "lane": which, "start_s": begin, "end_s": end}
             print(f"[{end:6.1f} s] {name} ({which}, {end - begin:.0f} s)", flush=True)
@@ -244,7 +351,8 @@ def verdicts(parts: dict[str, dict]) -> list[str]:
         result = part["result"]
         if "error" in result:
             lines.append(f"ERROR {name}: {result['error'][-300:]}")
-            continue
+            if not result.get("partial"):
+                continue
         lines += CLAIMS[name](result)
     return lines
 
@@ -352,6 +460,40 @@ def background_claims(ways: dict) -> list[str]:
     ]
 
 
+def real_model_claims(models: dict) -> list[str]:
+    lines = []
+    for model, ways in models.items():
+        if not isinstance(ways, dict):
+            continue
+        ours, eager, whole = ways.get("ours", {}), ways.get("eager", {}), ways.get("whole", {})
+        if "steady_step_ms" not in ours or "steady_step_ms" not in eager:
+            lines.append(verdict(False, f"{model} in bf16 ran", json.dumps(ways)[:300]))
+            continue
+        ratio = ours["steady_step_ms"] / eager["steady_step_ms"]
+        figures = ", ".join(
+            f"{way} {row['first_step_s']:.1f} s first, {row['steady_step_ms']:.1f} ms steady, "
+            f"step 100 at {row['step_100_s']:.1f} s"
+            for way, row in ways.items()
+            if "steady_step_ms" in row
+        )
+        lines.append(
+            verdict(
+                ratio <= 1.0,
+                f"{model} in bf16: ours' steady step no slower than eager's",
+                f"{ratio:.2f}x; {figures}",
+            )
+        )
+        if "first_step_s" in whole:
+            lines.append(
+                verdict(
+                    ours["first_step_s"] < whole["first_step_s"],
+                    f"{model} in bf16: ours' first step sooner than whole-model's",
+                    f"{ours['first_step_s']:.1f} s vs {whole['first_step_s']:.1f} s",
+                )
+            )
+    return lines
+
+
 CLAIMS = {
     "cuda_tests": cuda_test_claims,
     "cold_starts": cold_start_claims,
@@ -359,6 +501,7 @@ CLAIMS = {
     "cuda_graphs": cuda_graph_claims,
     "warm_resume": warm_claims,
     "background": background_claims,
+    "real_models": real_model_claims,
 }
 
 
@@ -401,7 +544,11 @@ def main() -> None:
     parser.add_argument("--part", choices=list(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--cores", help=argparse.SUPPRESS)
     parser.add_argument("--part-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--real", nargs=2, metavar=("MODEL", "WAY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.real:
+        print(json.dumps(real_run(*args.real, args.device)))
+        return
     if args.part:
         run_part(args.part, args.device, [int(c) for c in args.cores.split(",")], args.part_out)
         return

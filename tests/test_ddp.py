@@ -54,9 +54,12 @@ def test_background_compile_runs_one_child_and_switches_every_rank_at_one_step(t
         assert rank["threads"]["before the switch"] == {max(1, after // 2)}
     for rank in range(2):
         assert background[rank]["losses"] == pytest.approx(eager_long[rank]["losses"], rel=1e-5)
+    # 120 AdamW steps: a parameter whose gradient is near zero moves by about lr a step
+    # whatever its float noise, so aot_eager's last bits show there (1.5e-4 seen on torch
+    # 2.11 when the switch came at step 15); the losses above are equal to 1e-5
     for name, value in background[0]["params"].items():
         torch.testing.assert_close(background[1]["params"][name], value, rtol=0, atol=0)
-        torch.testing.assert_close(value, eager_long[0]["params"][name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(value, eager_long[0]["params"][name], rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.ddp
