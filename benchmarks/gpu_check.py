@@ -93,7 +93,20 @@ REAL_MODELS = {
 SMALL_REAL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "num_hidden_layers": 2}
 SMALL_REAL |= {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
 SMALL_REAL |= {"num_key_value_heads": 2, "vocab_size": 64}
-REAL_WAYS = ("eager", "ours", "whole", "accelerate")
+#: The ways, most telling first (a part cut by its timeout keeps the first): in a plain
+#: loop, eager, ours (``compile_regions``), whole-model and accelerate, and ours with CUDA
+#: graphs; under Lightning (``precision="bf16-mixed"``), eager, our strategy (which keeps
+#: the regions compiled or reverts them on these steps) and its background mode.
+REAL_WAYS = (
+    "eager",
+    "ours",
+    "lightning_eager",
+    "strategy",
+    "whole",
+    "background",
+    "ours_cudagraphs",
+    "accelerate",
+)
 REAL_STEPS = (1, 10, 50, 100)
 RESUME_MODEL = ["--n-layer", "4", "--n-embd", "256", "--block-size", "64"]
 
@@ -192,8 +205,8 @@ def background(device: str, size: dict) -> dict:
 def real_models(device: str, size: dict, out: Path | None = None) -> dict:
     """Each (model, way) in its own process, fresh caches; kept in ``out`` as it goes."""
     results: dict[str, dict] = {}
-    for model in REAL_MODELS:
-        for way in REAL_WAYS:
+    for way in REAL_WAYS:
+        for model in REAL_MODELS:
             with tempfile.TemporaryDirectory(prefix="gpu-check-real-") as cache:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
                 command = [sys.executable, __file__, "--real", model, way, "--device", device]
@@ -225,19 +238,23 @@ def real_run(model: str, way: str, device: str) -> dict:
     torch.manual_seed(0)
     built = getattr(transformers, config_name)(**config)
     net = transformers.AutoModelForCausalLM.from_config(built).to(device).train()
+    ids = torch.randint(
+        0, built.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0)
+    )
+    if way in ("lightning_eager", "strategy", "background"):
+        return lightning_run(net, ids, way, device)
     if way == "whole":
         net = torch.compile(net)
     elif way == "accelerate":
         from accelerate.utils import compile_regions as accelerate_compile_regions
 
         net = accelerate_compile_regions(net)
-    elif way == "ours":
+    elif way in ("ours", "ours_cudagraphs"):
         disable_kv_cache_unless_asked(net)  # as the strategies do
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
-        compile_regions(net, inplace=True)
+        mode = "reduce-overhead" if way == "ours_cudagraphs" else None
+        compile_regions(net, inplace=True, mode=mode)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    vocab = built.vocab_size
-    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     marks = {}
     start = time.perf_counter()
@@ -259,6 +276,74 @@ def real_run(model: str, way: str, device: str) -> dict:
         "steady_step_ms": 1000 * steady,
         "loss": loss.item(),
     }
+
+
+def lightning_run(net: Any, ids: Any, way: str, device: str) -> dict:
+    """``REAL_STEPS[-1]`` steps of ``net`` under a Trainer in ``bf16-mixed``: plain, our
+    strategy, or its background mode; timed as ``real_run`` times its loop."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_regions import RegionalCompileStrategy
+
+    class CausalLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.net(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Marks(pl.Callback):
+        def __init__(self) -> None:
+            self.marks: dict[int, float] = {}
+
+        def on_fit_start(self, *args: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step in REAL_STEPS:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                self.marks[trainer.global_step] = time.perf_counter() - self.start
+
+    strategy: Any = "auto"
+    if way != "lightning_eager":
+        strategy = RegionalCompileStrategy(compile_in_background=way == "background")
+    marks = Marks()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=REAL_STEPS[-1],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[marks],
+        default_root_dir=tempfile.mkdtemp(prefix="gpu-check-real-"),
+    )
+    batches = torch.utils.data.DataLoader([ids] * REAL_STEPS[-1], batch_size=None)
+    trainer.fit(CausalLM(), batches)
+    at = marks.marks
+    figures = {
+        "first_step_s": at[1],
+        "step_10_s": at[10],
+        "step_100_s": at[100],
+        "steady_step_ms": 1000 * (at[100] - at[50]) / 50,
+    }
+    payoff = getattr(strategy, "payoff", None)
+    if payoff is not None and payoff.decision is not None:
+        figures["decision"] = str(payoff.decision)
+    background = getattr(strategy, "background", None)
+    if background is not None:
+        figures["children"] = len(background.pids)
+        figures["switch_step"] = background.steps_eager + 1 if background.switched else None
+    return figures
 
 
 RUNNERS = {
@@ -473,6 +558,7 @@ def real_model_claims(models: dict) -> list[str]:
         figures = ", ".join(
             f"{way} {row['first_step_s']:.1f} s first, {row['steady_step_ms']:.1f} ms steady, "
             f"step 100 at {row['step_100_s']:.1f} s"
+            + (f" ({row['decision']})" if "decision" in row else "")
             for way, row in ways.items()
             if "steady_step_ms" in row
         )
@@ -483,6 +569,16 @@ def real_model_claims(models: dict) -> list[str]:
                 f"{ratio:.2f}x; {figures}",
             )
         )
+        strategy, plain = ways.get("strategy", {}), ways.get("lightning_eager", {})
+        if "steady_step_ms" in strategy and "steady_step_ms" in plain:
+            paid = strategy["steady_step_ms"] / plain["steady_step_ms"]
+            lines.append(
+                verdict(
+                    paid <= 1.02,
+                    f"{model} in bf16 under Lightning: the strategy no slower than eager",
+                    f"{paid:.2f}x ({strategy.get('decision', 'no decision')})",
+                )
+            )
         if "first_step_s" in whole:
             lines.append(
                 verdict(
