@@ -268,13 +268,17 @@ def real_run(model: str, way: str, device: str) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             marks[step] = time.perf_counter() - start
-    steady = (marks[100] - marks[50]) / 50
+    return {**real_figures(marks), "loss": loss.item()}
+
+
+def real_figures(marks: dict[int, float]) -> dict[str, float]:
+    """First step, steps 10 and 100, and the steady step (steps 50-100), from the seconds
+    at the ends of the steps ``REAL_STEPS`` names."""
     return {
         "first_step_s": marks[1],
         "step_10_s": marks[10],
         "step_100_s": marks[100],
-        "steady_step_ms": 1000 * steady,
-        "loss": loss.item(),
+        "steady_step_ms": 1000 * (marks[100] - marks[50]) / 50,
     }
 
 
@@ -329,13 +333,7 @@ def lightning_run(net: Any, ids: Any, way: str, device: str) -> dict:
     )
     batches = torch.utils.data.DataLoader([ids] * REAL_STEPS[-1], batch_size=None)
     trainer.fit(CausalLM(), batches)
-    at = marks.marks
-    figures = {
-        "first_step_s": at[1],
-        "step_10_s": at[10],
-        "step_100_s": at[100],
-        "steady_step_ms": 1000 * (at[100] - at[50]) / 50,
-    }
+    figures: dict[str, Any] = dict(real_figures(marks.marks))
     payoff = getattr(strategy, "payoff", None)
     if payoff is not None and payoff.decision is not None:
         figures["decision"] = str(payoff.decision)

@@ -448,8 +448,8 @@ FORWARD = "forward"
 
 
 def set_zero3_leaf(module: nn.Module) -> None:
-    """Make ``module`` a ZeRO-3 leaf (DeepSpeed's ``deepspeed.utils.set_z3_leaf_module``,
-    in DeepSpeed since 0.14): ZeRO-3 then hooks it alone, gathering all its parameters
+    """Make ``module`` a ZeRO-3 leaf (DeepSpeed's ``deepspeed.utils.set_z3_leaf_module``):
+    ZeRO-3 then hooks it alone, gathering all its parameters
     before its forward, and none of its descendants. Before ``deepspeed.initialize``."""
     from deepspeed.utils import set_z3_leaf_module
 

@@ -101,7 +101,8 @@ class CompilePayoff:
         self.decision: PayoffDecision | None = None
 
     def at_step_boundary(self, module: Any, processes: Processes) -> PayoffDecision | None:
-        if self.decision is not None or tracker_of(module) is None:
+        tracker = tracker_of(module)
+        if self.decision is not None or tracker is None:
             return None
         self.boundaries += 1  # the first is the end of the first compiled step
         if self.boundaries <= SETTLE:
@@ -110,7 +111,7 @@ class CompilePayoff:
             self.clock = StepClock(processes.root_device)
         self.clock.mark()
         eager_from = WINDOW + 1  # marks 0..WINDOW time compiled steps; then one settles
-        if len(self.clock.marks) == WINDOW + 1:
+        if len(self.clock.marks) == eager_from:
             set_regions_eager(module, True)
         if len(self.clock.marks) < eager_from + WINDOW + 1:
             return None
@@ -120,7 +121,5 @@ class CompilePayoff:
         if kept:
             set_regions_eager(module, False)
         self.decision = PayoffDecision(compiled, eager, kept)
-        tracker = tracker_of(module)
-        if tracker is not None:
-            tracker.payoff = str(self.decision)
+        tracker.payoff = str(self.decision)
         return self.decision

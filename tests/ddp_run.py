@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helpers import WaitForTheSwitch
+from helpers import SlowAotEager, WaitForTheSwitch
 from helpers import trainer as make_trainer
 
 from examples.lightning_gpt import CharDataModule, GPTModule
@@ -38,7 +38,7 @@ def main(mode: str, out: Path) -> None:
         )
     elif mode == "payoff":  # rank 0 finds compiled slower; rank 1 would keep it
         strategy = RegionalCompileDDPStrategy(
-            backend=SlowOnRankZero(), process_group_backend="gloo"
+            backend=SlowAotEager(only_rank=0), process_group_backend="gloo"
         )
     elif mode == "nested":
         strategy = RegionalCompileDDPStrategy(
@@ -79,23 +79,6 @@ def main(mode: str, out: Path) -> None:
 BACKGROUND_STEPS = 120
 #: Steps of the payoff run: its decision comes at step 12 (payoff.py).
 PAYOFF_STEPS = 14
-
-
-class SlowOnRankZero:
-    """``aot_eager``, each compiled call 30 ms slower on global rank 0 only."""
-
-    def __call__(self, gm, example_inputs):
-        import time
-
-        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-        if torch.distributed.get_rank() != 0:
-            return compiled
-
-        def slower(*args):
-            time.sleep(0.03)
-            return compiled(*args)
-
-        return slower
 
 
 class LenientRankOne(pl.Callback):

@@ -57,6 +57,25 @@ class FailsOnLayerNorm:
         return gm.forward
 
 
+class SlowAotEager:
+    """torch's ``aot_eager``, each compiled call made 30 ms slower (on global rank
+    ``only_rank`` alone, when given): compiled loses against eager."""
+
+    def __init__(self, only_rank: int | None = None) -> None:
+        self.only_rank = only_rank
+
+    def __call__(self, gm, example_inputs):
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        if self.only_rank is not None and torch.distributed.get_rank() != self.only_rank:
+            return compiled
+
+        def slower(*args):
+            time.sleep(0.03)
+            return compiled(*args)
+
+        return slower
+
+
 class SeenCacheDir(pl.Callback):
     """The inductor cache directory in effect when training starts."""
 

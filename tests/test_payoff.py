@@ -4,11 +4,9 @@ training as eager would, with the tie, the parameters, the optimizer and the key
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from helpers import data, gpt, trainer
+from helpers import SlowAotEager, data, gpt, trainer
 from torch import nn
 
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
@@ -17,19 +15,6 @@ from lightning_regions.payoff import SETTLE, WINDOW
 #: Optimizer steps until the decision: the first compiled, the settling ones, both windows.
 DECIDED_AFTER = 1 + SETTLE + 2 * WINDOW + 1
 STEPS = DECIDED_AFTER + 2
-
-
-class SlowAotEager:
-    """torch's ``aot_eager``, each compiled call made 30 ms slower: compiled loses."""
-
-    def __call__(self, gm, example_inputs):
-        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-        def slower(*args):
-            time.sleep(0.03)
-            return compiled(*args)
-
-        return slower
 
 
 def blocks(model) -> list[nn.Module]:
