@@ -10,11 +10,13 @@ in the strategy.
 1. **Capture.** A forward pre-hook on each distinct region records its first call of
    each kind (``shipment.CallKind``: training, or evaluation in the sanity check or a
    validation loop), as metadata.
-2. **Ship** (global rank 0, from the first optimizer step on, whenever no child runs and
-   calls wait). The regions' structure on ``meta``, the calls and the recipe go to a
-   private folder (``shipment.pack``: ``cloudpickle``, so classes of a script, a notebook
-   or a function travel by value); ``python -m lightning_regions.background_child``
-   compiles and replays them there. A region that cannot be shipped is named once and
+2. **Ship** (global rank 0, from the first optimizer step on, whenever the child is not
+   compiling and calls wait). The regions' structure on ``meta``, the calls and the
+   recipe go to a private folder (``shipment.pack``: ``cloudpickle``, so classes of a
+   script, a notebook or a function travel by value); ``python -m
+   lightning_regions.background_child`` compiles and replays them there. One child per
+   run: calls recorded while it compiles (an epoch's smaller last batch) are its next
+   round, not a second process's. A region that cannot be shipped is named once and
    compiles in the training process at the switch; the rest still ship.
 3. **Agree.** At every optimizer step each process says whether it is ready (rank 0:
    its child is done, failed or past ``background_timeout_s``; the others always), in
@@ -51,7 +53,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .background_child import ARTIFACTS, KERNELS, LOG, RESULT, SHIPMENT
+from .background_child import (
+    ARTIFACTS,
+    KERNELS,
+    LOG,
+    result_file,
+    shipment_file,
+    write_whole,
+)
 from .cache import sign_artifacts, unpack_artifacts
 from .compat import cache_counts, inductor_cache_dir
 from .recipe import CompileRecipe
@@ -75,6 +84,14 @@ SIGNATURES_PER_KIND = 2
 SOURCE = "the background compile on global rank 0"
 #: A recorded call: its region's index, its kind, and which of the kind's signatures.
 CallKey = tuple[int, CallKind, int]
+#: glibc's ``malloc`` settings for the child, unless the user set them. A fixed threshold
+#: (1 MiB) above which a block is its own ``mmap``, returned to the system when freed.
+#: glibc's default threshold moves up to the largest block freed so far, so a region's
+#: weights freed after its call are kept in the heap, fragmented, and the child's peak
+#: grew with depth: +34 MiB from depth 2 to 6 at width 1024 (one block's weights: 48 MiB)
+#: with the default, +0 MiB and a 44 MiB lower peak with this one
+#: (``benchmarks/results/memory.md``).
+CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 class BackgroundCompileWarning(UserWarning):
@@ -96,18 +113,21 @@ class Processes(Protocol):
 
 @dataclass
 class Child:
-    """One background child process and its private folder."""
+    """The run's one background child process, its private folder and its rounds: each
+    shipment is one round, compiled by the same process (``background_child``)."""
 
     folder: tempfile.TemporaryDirectory[str]
     process: subprocess.Popen[bytes]
-    started: float = field(default_factory=time.perf_counter)
+    round: int = 1  # the round shipped last
+    reported: bool = False  # whether that round's result was taken
+    started: float = field(default_factory=time.perf_counter)  # the round's start
 
     @classmethod
     def start(cls, shipment: bytes) -> Child:
         folder = tempfile.TemporaryDirectory(prefix="lightning_regions_background_")
         where = Path(folder.name)
-        (where / SHIPMENT).write_bytes(shipment)
-        env = dict(os.environ)
+        write_whole(shipment_file(where, 1), shipment)
+        env = {**CHILD_MALLOC, **os.environ}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         with open(where / LOG, "wb") as log:
             process = subprocess.Popen(
@@ -118,17 +138,32 @@ class Child:
             )
         return cls(folder, process)
 
+    def ship(self, shipment: bytes) -> None:
+        """Give the child its next round (after the last one's result was taken)."""
+        self.round += 1
+        self.reported = False
+        self.started = time.perf_counter()
+        write_whole(shipment_file(self.where, self.round), shipment)
+
     @property
     def where(self) -> Path:
         return Path(self.folder.name)
 
+    @property
+    def busy(self) -> bool:
+        """Whether the last round is still compiling (its result not written, the child
+        alive)."""
+        done = result_file(self.where, self.round).exists() or self.process.poll() is not None
+        return not self.reported and not done
+
     def result(self) -> dict[str, Any]:
-        """What the finished child reported; a child that reported nothing is named by
-        its exit status and the last line of its log."""
-        code = self.process.wait()
-        path = self.where / RESULT
+        """What the child reported of its last round; a child that died without a report
+        is named by its exit status and the last line of its log."""
+        self.reported = True
+        path = result_file(self.where, self.round)
         done = json.loads(path.read_text()) if path.exists() else {}
         if not done.get("ok") and not done.get("error"):
+            code = self.process.wait()
             text = (self.where / LOG).read_text(errors="replace").strip().splitlines()
             last = f": {text[-1]}" if text else ""
             done = {
@@ -140,8 +175,9 @@ class Child:
         return done
 
     def artifacts(self) -> tuple[bytes, dict[str, bytes]] | None:
-        """The cache artifacts of what the child compiled, and the kernel files it
-        loaded (read from the cache directory it shares with this process)."""
+        """The cache artifacts of what the child compiled in all its rounds, and the
+        kernel files it loaded (read from the cache directory it shares with this
+        process)."""
         path, kernels = self.where / ARTIFACTS, self.where / KERNELS
         if not path.exists():
             return None
@@ -187,10 +223,11 @@ class BackgroundCompile:
         self.unshipped: dict[int, str] = {}  # region index: why it cannot ship
         self.failure = ""
         self.child: Child | None = None
-        #: What the last finished child compiled or found (a later child replays every
-        #: call, so its artifacts hold all): cache artifacts and kernel files by path.
+        #: What the child compiled or found in its rounds so far: cache artifacts and
+        #: kernel files by path.
         self.artifacts: tuple[bytes, dict[str, bytes]] | None = None
-        self.pids: list[int] = []  # every child this process started
+        self.pids: list[int] = []  # every child this process started (one at most)
+        self.rounds = 0  # shipments the child was given
         self.child_seconds: float | None = None
         #: The highest peak resident memory of this process's children, in MiB.
         self.child_peak_rss_mb: float | None = None
@@ -279,13 +316,14 @@ class BackgroundCompile:
 
     def _advance(self) -> bool:
         """Rank 0: poll the child; ship what waits. True when nothing is left to do."""
-        if self.child is not None:
-            if self.child.process.poll() is None:
-                if time.perf_counter() - self.child.started <= self.timeout_s:
+        child = self.child
+        if child is not None and not child.reported:
+            if child.busy:
+                if time.perf_counter() - child.started <= self.timeout_s:
                     return False
                 self.failure = f"still compiling after background_timeout_s={self.timeout_s:g}"
                 return True
-            done = self.child.result()
+            done = child.result()
             if "peak_rss_mb" in done:
                 peak = float(done["peak_rss_mb"])
                 self.child_peak_rss_mb = max(peak, self.child_peak_rss_mb or 0.0)
@@ -293,20 +331,18 @@ class BackgroundCompile:
                 self.failure = str(done.get("error"))
                 return True
             self.child_seconds = (self.child_seconds or 0.0) + float(done.get("seconds", 0.0))
-            self.artifacts = self.child.artifacts() or self.artifacts
-            self._end_child()
+            self.artifacts = child.artifacts() or self.artifacts
         if self.failure:
             return True
         if all(key in self.shipped for key in self.calls):
             return True
-        self._ship()
-        return self.child is None
+        return not self._ship()
 
-    def _ship(self) -> None:
-        """Start a child on every call recorded so far (or note why not). Those an earlier
-        child compiled are replayed again, warm, so that dynamo's state (a shape that
-        changed since the first call) is the training process's when the new ones
-        compile."""
+    def _ship(self) -> bool:
+        """Give the child (started now if none runs) a round of every call recorded so
+        far, or note why not; True when a round was shipped. Those an earlier round
+        compiled are replayed again, warm, so that dynamo's state (a shape that changed
+        since the first call) is the training process's when the new ones compile."""
         self.shipped.update(self.calls)
         ours = {hook.id for hook in self._hooks}  # our recorders never cross
         copies, refused = shippable_copies([r.module for r in self.plan.regions], ours)
@@ -318,15 +354,20 @@ class BackgroundCompile:
             if key[0] in place
         ]
         if not calls:
-            return
+            return False
         try:
             payload = pack(Shipment(list(copies.values()), calls, self.recipe))
         except Unshippable as error:
             self.failure = str(error)
-            return
-        self.child = Child.start(payload)
-        self.pids.append(self.child.process.pid)
+            return False
+        if self.child is None:
+            self.child = Child.start(payload)
+            self.pids.append(self.child.process.pid)
+        else:
+            self.child.ship(payload)
+        self.rounds += 1
         self._share_cores()
+        return True
 
     def _share_cores(self) -> None:
         """While the job's child compiles, this process runs its eager steps on half its

@@ -1,16 +1,20 @@
 """The background child: ``python -m lightning_regions.background_child FOLDER``.
 
-It reads ``FOLDER/shipment.pkl`` (written by the training process, in its own private
-folder), compiles the regions by the shipped recipe and replays each recorded call with
-tensors of the recorded metadata, forward and backward for a training call, into
-torch's caches (the ``TORCHINDUCTOR_CACHE_DIR`` it inherits). Then it writes the cache
-artifacts of everything it compiled (``torch.compiler.save_cache_artifacts``) to
+It works in rounds, one child for the whole run. Round ``k`` reads
+``FOLDER/shipment-k.pkl`` (written by the training process, in its own private folder),
+compiles the regions by the shipped recipe and replays each recorded call with tensors
+of the recorded metadata, forward and backward for a training call, into torch's caches
+(the ``TORCHINDUCTOR_CACHE_DIR`` it inherits). Then it writes the cache artifacts of
+everything it compiled in all its rounds (``torch.compiler.save_cache_artifacts``) to
 ``FOLDER/artifacts.bin`` for the job's other processes, with the paths of the C++ kernel
 files it loaded and of torch's instruction-set probes (``cache.kernel_files_to_ship``)
-in ``FOLDER/kernels.json``, and ``FOLDER/result.json``: ``{"ok": true, "seconds": ...,
-"peak_rss_mb": ...}`` (its own peak resident memory), or ``{"ok": false, "error": ...}``:
-failures are reported as data, as torch's compile workers do. It exits when the
-training process is gone.
+in ``FOLDER/kernels.json``, and last ``FOLDER/result-k.json``: ``{"ok": true,
+"seconds": ..., "peak_rss_mb": ...}`` (its own peak resident memory), or ``{"ok":
+false, "error": ...}``: failures are reported as data, as torch's compile workers do.
+Then it waits for round ``k + 1``: calls recorded while it compiled (an epoch's smaller
+last batch, a first validation) are compiled by the same child, which saves a second
+start of Python and torch and keeps one child's memory in the run. It exits when the
+training process stops it or is gone.
 
 One region's weights and activations exist at a time, each made on the device of its
 recorded call just before the call and freed after it: the child never holds a copy of
@@ -19,6 +23,7 @@ the model.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -36,11 +41,28 @@ from .compat import inductor_cache_dir, tree_flatten
 from .regions import find_regions
 from .shipment import RegionCall, Shipment, materialize, release, unpack
 
-SHIPMENT = "shipment.pkl"
 ARTIFACTS = "artifacts.bin"
 KERNELS = "kernels.json"
-RESULT = "result.json"
 LOG = "child.log"
+#: How often a waiting child looks for its next round, in seconds.
+POLL_S = 0.05
+
+
+def shipment_file(where: Path, round: int) -> Path:
+    """Where round ``round``'s shipment is written (whole, by a rename)."""
+    return where / f"shipment-{round}.pkl"
+
+
+def result_file(where: Path, round: int) -> Path:
+    """Where round ``round``'s result is written (whole, by a rename, last of its files)."""
+    return where / f"result-{round}.json"
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees all of it or no file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def replay(region: nn.Module, call: RegionCall) -> None:
@@ -125,22 +147,32 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main(folder: str) -> int:
-    where = Path(folder)
+def one_round(where: Path, round: int) -> dict[str, Any]:
+    """Compile round ``round``'s shipment and write its files; its result."""
     try:
-        shipment = unpack((where / SHIPMENT).read_bytes())
-        watch_parent(shipment.parent)
+        shipment = unpack(shipment_file(where, round).read_bytes())
         result = compile_shipment(shipment)
-        saved = torch.compiler.save_cache_artifacts()
+        saved = torch.compiler.save_cache_artifacts()  # every round's, so far
         if saved is not None:
-            (where / ARTIFACTS).write_bytes(saved[0])
+            write_whole(where / ARTIFACTS, saved[0])
         kernels = sorted(kernel_files_to_ship(inductor_cache_dir()))
-        (where / KERNELS).write_text(json.dumps(kernels))
+        write_whole(where / KERNELS, json.dumps(kernels).encode())
     except BaseException as error:  # every failure goes back to the training process
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
     result["peak_rss_mb"] = peak_rss_mb()
-    (where / RESULT).write_text(json.dumps(result))
-    return 0 if result.get("ok") else 1
+    write_whole(result_file(where, round), json.dumps(result).encode())
+    return result
+
+
+def main(folder: str) -> int:
+    where = Path(folder)
+    watch_parent(os.getppid())
+    for round in itertools.count(1):
+        while not shipment_file(where, round).exists():
+            time.sleep(POLL_S)
+        if not one_round(where, round).get("ok"):
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

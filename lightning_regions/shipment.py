@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import pickle
 from collections.abc import Iterator, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -269,7 +268,6 @@ class Shipment:
     regions: list[nn.Module]  # on meta, in the plan's order
     calls: list[RegionCall]
     recipe: Any  # recipe.CompileRecipe
-    parent: int = field(default_factory=os.getpid)
 
 
 def pack(shipment: Shipment) -> bytes:

@@ -6,8 +6,8 @@ default mode from the same initial weights.
 Usage: python tests/background_script.py OUT.json [--in-function]
 
 Writes what the tests check: each run's losses, torch's cache hits and misses over the
-first compiled step and the first validation after the switch, the children started
-and whether any still runs, and the warnings given.
+first compiled step and the first validation after the switch, the children started, their
+rounds and whether any still runs, and the warnings given.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def train_both(block: type[nn.Module], root: str) -> dict:
         "steps_eager": strategy.background.steps_eager,
         "counts": wait.counts,
         "pids": wait.pids,
+        "rounds": strategy.background.rounds,
         "running": [pid for pid in wait.pids if is_running(pid)],
         "warnings": sorted({f"{w.category.__module__}.{w.category.__name__}" for w in caught}),
         "messages": [str(w.message)[:300] for w in caught if "Background" in str(w.category)],

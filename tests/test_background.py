@@ -252,6 +252,25 @@ def test_a_fabric_loop_switches_too_with_plain_losses():
     assert strategy.background.process is None
 
 
+def test_a_smaller_last_batch_before_the_switch_is_the_same_childs_next_round(tmp_path):
+    def epochs() -> torch.utils.data.DataLoader:  # batches of 4, 4 and 2 an epoch
+        return torch.utils.data.DataLoader(torch.randn(10, 8, generator=torch.Generator()), 4)
+
+    ours, plain = (seeded_stack(lambda: [Residual() for _ in range(3)]) for _ in range(2))
+    strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
+    wait = WaitForTheSwitch(after=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BackgroundCompileWarning)
+        trainer(tmp_path, strategy, STEPS, callbacks=[wait], max_epochs=-1).fit(ours, epochs())
+    background = strategy.background
+    assert background.switched and background.steps_eager > 3  # the last batch came before
+    assert {signature for *_, signature in background.shipped} == {1, 2}
+    assert len(wait.pids) == 1 and background.rounds == 2  # both shapes, one child
+    assert not any(map(is_running, wait.pids))
+    trainer(tmp_path, "auto", len(ours.losses), max_epochs=-1).fit(plain, epochs())
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
 def test_a_validation_after_the_first_step_ships_its_calls_too(tmp_path):
     ours, plain = twins()
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
@@ -261,7 +280,7 @@ def test_a_validation_after_the_first_step_ships_its_calls_too(tmp_path):
     background = strategy.background
     kinds = {str(kind) for _, kind, _ in background.shipped}
     assert kinds == {"training", "evaluation"} and background.switched
-    assert len(wait.pids) >= 2  # the evaluation calls came after the first child started
+    assert len(wait.pids) == 1 and background.rounds >= 2  # evaluation: the child's next round
     trainer(tmp_path, "auto", len(ours.losses), **options).fit(plain, data())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
 
@@ -299,7 +318,7 @@ class OneProcess:
 def test_what_ships_is_structure_and_call_metadata_never_weights():
     from lightning_regions import find_regions
     from lightning_regions.background import BackgroundCompile
-    from lightning_regions.background_child import SHIPMENT
+    from lightning_regions.background_child import shipment_file
     from lightning_regions.options import RegionalOptions
     from lightning_regions.recipe import CompileRecipe
     from lightning_regions.shipment import unpack
@@ -314,7 +333,7 @@ def test_what_ships_is_structure_and_call_metadata_never_weights():
         for block in blocks:
             x = block(x)  # the recorders see each region's training call
         assert not background.at_step_boundary(OneProcess(), compile_now=lambda: None)
-        shipped = (background.child.where / SHIPMENT).read_bytes()
+        shipped = shipment_file(background.child.where, 1).read_bytes()
     finally:
         background.stop()
     weights = sum(p.numel() * p.element_size() for p in blocks.parameters())
