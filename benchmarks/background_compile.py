@@ -55,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
 from benchmarks.protocol import CpuClock, OtherLoad  # noqa: E402
 from benchmarks.repeated_runs import warm_torchs_own_files  # noqa: E402
 
@@ -171,20 +171,15 @@ def train(
     timer = Clock()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pl.Trainer(
-            strategy=strategy,
-            accelerator=device,
-            devices=1,
-            max_steps=100_000,
+        quiet_trainer(
+            strategy,
+            steps=100_000,
+            callbacks=[timer],
+            device=device,
             max_epochs=-1,
+            limit_val_batches=None,
             val_check_interval=VALIDATE_EVERY,
             check_val_every_n_epoch=None,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tempfile.mkdtemp(prefix="background-bench-"),
-            callbacks=[timer],
         ).fit(module, data)
     record: dict[str, Any] = {
         "ends": timer.ends,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import machine, save_results  # noqa: E402
 from benchmarks.protocol import WARMUP_STEPS  # noqa: E402
 
 VARIANTS = (
@@ -298,15 +298,6 @@ def plot(summary: dict, variants: list[str], depths: list[int], path: Path) -> N
     figure.savefig(path, dpi=120)
 
 
-def machine() -> str:
-    import torch
-
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}, torch {torch.__version__}"
-    )
-
-
 def add_run_arguments(parser: argparse.ArgumentParser, variants: tuple[str, ...]) -> None:
     """The options every side-by-side benchmark takes: repeats, variants, out, device."""
     parser.add_argument("--repeats", type=int, default=3)
@@ -314,17 +305,6 @@ def add_run_arguments(parser: argparse.ArgumentParser, variants: tuple[str, ...]
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--child", choices=variants + CUDA_GRAPH_VARIANTS, help=argparse.SUPPRESS)
-
-
-def save_results(out: Path, name: str, device: str, markdown: str, data: dict) -> Path:
-    """Write ``name.md`` and ``name.json`` under ``out`` (``name_<device>`` off CPU).
-
-    Returns the path without its suffix, for any further file of the same run."""
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / (name if device == "cpu" else f"{name}_{device}")
-    stem.with_suffix(".md").write_text(markdown)
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    return stem
 
 
 def main() -> None:

@@ -33,12 +33,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
 
 
 def train(devices: int, size: dict[str, int], out: str) -> None:
     """Train 2 steps on ``devices`` CPU processes; each rank writes its figures to ``out``."""
-    import lightning.pytorch as pl
     import torch
 
     from examples.demo_table import FirstStepClock
@@ -51,18 +50,7 @@ def train(devices: int, size: dict[str, int], out: str) -> None:
     if devices > 1:
         strategy = RegionalCompileDDPStrategy(process_group_backend="gloo")
     clock = FirstStepClock()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_steps=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock],
-    )
+    trainer = quiet_trainer(strategy, steps=2, callbacks=[clock], devices=devices)
     trainer.fit(module, data)
     counters = torch._dynamo.utils.counters
     result = {

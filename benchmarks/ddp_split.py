@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
 
 WAYS = ("whole", "split")
 STEPS = 20
@@ -74,18 +74,8 @@ def train(way: str, size: dict[str, int], out: str) -> None:
                 self.first_cpu = self.cpu.seconds()
 
     clock = Clock()
-    trainer = pl.Trainer(
-        strategy=RegionalCompileDDPStrategy(process_group_backend="gloo"),
-        accelerator="cpu",
-        devices=2,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock],
-    )
+    strategy = RegionalCompileDDPStrategy(process_group_backend="gloo")
+    trainer = quiet_trainer(strategy, steps=STEPS, callbacks=[clock], devices=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, data)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import protocol  # noqa: E402
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import save_results  # noqa: E402
 from examples import demo_table  # noqa: E402
 
 SPIN = "import time\nwhile time.time() < {stop}:\n    sum(range(10_000))"

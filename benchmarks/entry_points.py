@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
 
 SIZE = {"block_size": 128, "n_layer": 16, "n_head": 4, "n_embd": 256}
 WAYS = ("eager", "lightning_regions, compile_in_background=True")
@@ -62,15 +62,7 @@ def run(way: str, entry: str) -> dict[str, Any]:
         on_validation_batch_end = on_predict_batch_end = end
 
     clock = Clock()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock],
-    )
+    trainer = quiet_trainer(strategy, callbacks=[clock], limit_val_batches=None)
     began = time.perf_counter()
     getattr(trainer, entry)(module, loader)
     return {

@@ -22,13 +22,16 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import save_results  # noqa: E402
+
 DEPTH, VOCAB, BATCH, LENGTH, STEPS = 12, 128, 2, 16, 3
 
 #: Tiny widths, given to whichever of these a config has.
@@ -274,7 +277,7 @@ def child(spec: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
 
-    sys.path.insert(0, str(ROOT))
+    from benchmarks.harness import quiet_trainer
     from lightning_regions import RegionalCompileStrategy, region_report
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -305,18 +308,7 @@ def child(spec: str) -> dict[str, Any]:
         start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pl.Trainer(
-                strategy=strategy,
-                accelerator="cpu",
-                devices=1,
-                max_steps=STEPS,
-                limit_val_batches=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                default_root_dir=tempfile.mkdtemp(),
-            ).fit(module, loader)
+            quiet_trainer(strategy, steps=STEPS).fit(module, loader)
         ours = [
             f"{w.category.__name__}: {str(w.message)[:600]}"
             for w in caught
@@ -438,6 +430,7 @@ def main() -> None:
         names = [name for name in names if name in args.only.split(",")]
     results = args.out / f"{stem}.json"
     done = json.loads(results.read_text()) if args.resume and results.exists() else []
+    done = done["records"] if isinstance(done, dict) else done  # a finished or a cut sweep
     records = [record for record in done if record["model"] in names]
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -448,8 +441,7 @@ def main() -> None:
         records.append(record)
         results.write_text(json.dumps(records, indent=1))  # a long sweep keeps what it has
     records.sort(key=lambda record: names.index(record["model"]))
-    results.write_text(json.dumps(records, indent=1))
-    (args.out / f"{stem}.md").write_text(markdown(records, title))
+    save_results(args.out, stem, "cpu", markdown(records, title), {"records": records})
     print(markdown(records, title))
 
 

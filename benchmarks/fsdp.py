@@ -36,19 +36,22 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import save_results  # noqa: E402
+
 VARIANTS = ("eager", "whole", "whole_one_group", "regional", "regional_compile_first")
 STEPS = 16  # default; --steps
 
 
 def run_worker(variant: str, depth: int, width: int, steps: int, result_path: Path) -> None:
     """One rank of one run (under torchrun)."""
-    sys.path.insert(0, str(ROOT))
-    import lightning.pytorch as pl
     import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.utils.data import DataLoader
 
+    from benchmarks.harness import quiet_trainer
     from examples.lightning_gpt import CharChunks, CharDataModule, GPTModule, StepTimer
     from lightning_regions import RegionalCompileFSDPStrategy
 
@@ -87,18 +90,7 @@ def run_worker(variant: str, depth: int, width: int, steps: int, result_path: Pa
             data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
         )
     timer = StepTimer()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
+    trainer = quiet_trainer(strategy, steps=steps, callbacks=[timer], devices=2)
     trainer.fit(model, data)
     if trainer.global_rank == 0:
         counters = torch._dynamo.utils.counters
@@ -191,14 +183,12 @@ def main() -> None:
             runs[variant].append(result)
             shown = {k: v for k, v in result.items() if k != "losses"}
             print(f"repeat {repeat + 1} {variant:24s} {shown}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fsdp.json").write_text(json.dumps(runs, indent=1))
     header = (
         f"Depth {args.depth}, width {args.width}, batch 8x128 tokens per rank, 2 processes "
         f"over gloo, {args.steps} steps. Medians of {args.repeats} run(s), each with a fresh "
         "inductor cache.\n\n"
     )
-    (args.out / "fsdp.md").write_text(header + table(runs) + "\n")
+    save_results(args.out, "fsdp", "cpu", header + table(runs), {"runs": runs})
     plot(runs, args.out / "fsdp.png")
     print(header + table(runs))
 

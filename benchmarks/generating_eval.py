@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
 
 VARIANTS = ("eager", "whole", "accelerate", "regions", "nested")
 MODELS = ("gpt2", "llama")
@@ -149,19 +149,13 @@ def run(model_name: str, variant: str, sanity: bool, backend: str) -> dict[str, 
         strategy = RegionalCompileStrategy(backend=backend, granularity=variant)
     data = torch.randint(0, VOCAB, (8, LENGTH), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(data, batch_size=2)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
+    trainer = quiet_trainer(
+        strategy,
+        steps=4,
+        callbacks=[Phases()],
         limit_val_batches=1,
         num_sanity_val_steps=1 if sanity else 0,
         val_check_interval=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Phases()],
     )
     error = None
     try:

@@ -287,6 +287,7 @@ def lightning_run(net: Any, ids: Any, way: str, device: str) -> dict:
     strategy, or its background mode; timed as ``real_run`` times its loop."""
     import lightning.pytorch as pl
     import torch
+    from harness import quiet_trainer
 
     from lightning_regions import RegionalCompileStrategy
 
@@ -318,18 +319,8 @@ def lightning_run(net: Any, ids: Any, way: str, device: str) -> dict:
     if way != "lightning_eager":
         strategy = RegionalCompileStrategy(compile_in_background=way == "background")
     marks = Marks()
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        precision="bf16-mixed",
-        max_steps=REAL_STEPS[-1],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[marks],
-        default_root_dir=tempfile.mkdtemp(prefix="gpu-check-real-"),
+    trainer = quiet_trainer(
+        strategy, steps=REAL_STEPS[-1], callbacks=[marks], device=device, precision="bf16-mixed"
     )
     batches = torch.utils.data.DataLoader([ids] * REAL_STEPS[-1], batch_size=None)
     trainer.fit(CausalLM(), batches)

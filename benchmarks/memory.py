@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from compile_time import save_results  # noqa: E402
+from harness import quiet_trainer, save_results  # noqa: E402
 
 from lightning_regions.background_child import peak_rss_mb  # noqa: E402
 
@@ -50,25 +50,6 @@ WARM_STEPS = 4
 WAYS = ("eager", "eager + AC", "torch.compile", "accelerate", "regional", "regional + AC")
 BACKGROUND = "background"
 MIB = 2**20
-
-
-def quiet_trainer(strategy: Any, callback: Any) -> Any:
-    """A CPU Trainer of one device that stops when ``callback`` says so (at most 2000
-    steps), without validation, logging or checkpoints."""
-    import lightning.pytorch as pl
-
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=2000,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
 
 
 def measure_way(way: str) -> dict[str, Any]:
@@ -138,7 +119,7 @@ def measure_way(way: str) -> dict[str, Any]:
                 time.sleep(0.05)  # the eager steps leave the child its cores
 
     measure = Measure()
-    trainer = quiet_trainer(strategy, measure)
+    trainer = quiet_trainer(strategy, callbacks=[measure])
     trainer.fit(module, data)
     gpt = module.model
     storages = {
@@ -185,7 +166,7 @@ def measure_child(depth: int, width: int) -> dict[str, Any]:
             else:
                 time.sleep(0.05)
 
-    trainer = quiet_trainer(strategy, UntilTheSwitch())
+    trainer = quiet_trainer(strategy, callbacks=[UntilTheSwitch()])
     trainer.fit(module, data)
     background = strategy.background
     assert background is not None

@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
 
 WAYS = (
     "torch.compile",
@@ -111,19 +111,14 @@ def train(way: str, steps: int, out: Path, phase: str = "") -> None:
 
     clock = Clock()
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        strategy,
+        steps=100_000 if phase != "first" else 4,
+        callbacks=[clock, checkpoints],
         devices=devices,
         num_nodes=nodes,
-        max_steps=100_000 if phase != "first" else 4,
-        limit_val_batches=0,
-        logger=False,
         enable_checkpointing=True,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=out,
-        callbacks=[clock, checkpoints],
     )
     resume = str(out / "checkpoints" / "last.ckpt") if phase == "resumed" else None
     trainer.fit(module, data, ckpt_path=resume)

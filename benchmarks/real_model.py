@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from compile_time import add_run_arguments, save_results
+from compile_time import add_run_arguments
+from harness import save_results
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("eager", "whole", "accelerate", "ours_cache_on", "ours")

@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile_time import save_results  # noqa: E402
+from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
 
 VARIANTS = ("torch.compile", "accelerate", "lightning_regions")
 STEPS = 2
@@ -47,7 +47,6 @@ STEPS = 2
 def train_trial(variant: str, size: dict[str, int], root: str) -> dict[str, Any]:
     """One trial in this process: Lightning trains the GPT for ``STEPS`` steps under
     ``variant``; the first step's wall and CPU seconds and torch's cache counters."""
-    import lightning.pytorch as pl
     import torch
 
     from examples.demo_table import FirstStepClock
@@ -69,19 +68,7 @@ def train_trial(variant: str, size: dict[str, int], root: str) -> dict[str, Any]
     else:
         strategy = RegionalCompileStrategy()
     clock = FirstStepClock()
-    pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[clock],
-    ).fit(module, data)
+    quiet_trainer(strategy, steps=STEPS, callbacks=[clock], default_root_dir=root).fit(module, data)
     counters = torch._dynamo.utils.counters
     return {
         "first_step_s": clock.wall_s,

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from harness import save_results
 from torch import nn
 
 from lightning_regions import compile_regions, region_report
@@ -78,16 +77,12 @@ def main() -> None:
     best = {name: min(values) for name, values in times.items()}
     ratio = best["compile_regions"] / best["module.compile()"]
     result = {
-        "machine": f"{platform.machine()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}",
         "depth": DEPTH,
         "calls_per_round": CALLS,
         "rounds": ROUNDS,
         "best_us_per_forward": {name: 1e6 * value for name, value in best.items()},
         "ratio": ratio,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "steady_state.json").write_text(json.dumps(result, indent=2) + "\n")
     table = (
         "| 12-block forward, eager backend | best of rounds (us) | vs module.compile() |\n"
         "|---|---|---|\n"
@@ -95,7 +90,7 @@ def main() -> None:
         f"| `compile_regions(inplace=True)`, after observation | "
         f"{1e6 * best['compile_regions']:.1f} | {ratio:.2f}x |\n"
     )
-    (args.out / "steady_state.md").write_text(table)
+    save_results(args.out, "steady_state", "cpu", table, result)
     print(table)
 
 

@@ -137,7 +137,7 @@ def table_lines(results: list[dict]) -> list[str]:
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
-    from compile_time import machine
+    from harness import machine
 
     lines = [
         f"Machine: {machine()}, device {args.device}. Tiny GPT, width {args.width}, batch "
@@ -180,7 +180,7 @@ def main() -> None:
         result = child(depth, threads, args.width, args.rounds, args.steps, args.device)
         print(json.dumps(result))
         return
-    from compile_time import save_results
+    from harness import save_results
 
     if args.profile:
         text = profile(args.profile, args.width, args.steps)

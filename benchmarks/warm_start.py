@@ -25,7 +25,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from compile_time import save_results
+from harness import save_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "resume_run.py"
