@@ -176,6 +176,7 @@ def measure_child(depth: int, width: int) -> dict[str, Any]:
         "block_mb": block_mb,
         "child_peak_rss_mb": background.child_peak_rss_mb,
         "children": len(background.pids),
+        "rounds": background.rounds,
         "training_peak_rss_mb": peak_rss_mb(),
     }
 
@@ -216,8 +217,8 @@ def markdown(rows: list[dict[str, Any]], children: list[dict[str, Any]], header:
         "The background child's own peak (its `VmHWM`), width "
         f"{children[0]['width'] if children else '?'}, through the Trainer until the switch:",
         "",
-        "| depth | one block's weights (MiB) | child's own peak (MiB) | children | training "
-        "process's peak (MiB) |",
+        "| depth | one block's weights (MiB) | child's own peak (MiB) | children (rounds) | "
+        "training process's peak (MiB) |",
         "|---|---|---|---|---|",
     ]
     for child in children:
@@ -226,7 +227,8 @@ def markdown(rows: list[dict[str, Any]], children: list[dict[str, Any]], header:
             continue
         lines.append(
             f"| {child['depth']} | {child['block_mb']:.1f} | {child['child_peak_rss_mb']:.0f} | "
-            f"{child['children']} | {child['training_peak_rss_mb']:.0f} |"
+            f"{child['children']} ({child.get('rounds', '?')}) | "
+            f"{child['training_peak_rss_mb']:.0f} |"
         )
     good = [c for c in children if "error" not in c]
     if len(good) >= 2:

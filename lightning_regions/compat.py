@@ -360,6 +360,12 @@ CACHE_COUNTERS = {
 }
 
 
+def cudagraph_skips() -> int:
+    """Graphs that inductor compiled for CUDA graphs (``mode="reduce-overhead"``) and runs
+    without them, in this process so far; ``TORCH_LOGS=cudagraphs`` says why."""
+    return int(dynamo_counters["inductor"]["cudagraph_skips"])
+
+
 def cache_counts() -> dict[str, int]:
     """This process's FX-graph and AOTAutograd cache hits and misses so far."""
     return {

@@ -21,6 +21,7 @@ from .compat import (
     OptimizedModule,
     compiled_call,
     compiled_source,
+    dynamo_original_callable,
     registered_children,
     set_compiled_call,
     set_compiled_source,
@@ -380,18 +381,67 @@ def tracker_of(module: nn.Module) -> RegionTracker | None:
     return module.__dict__.get(TRACKER_ATTRIBUTE)
 
 
-def set_regions_eager(module: nn.Module, eager: bool) -> None:
-    """Run the regions ``compile_regions(module, inplace=True)`` compiled eager (each
-    compiled call set aside, in place: parameters, hooks and ``state_dict`` keys are
-    untouched), or compiled again (the same compiled calls: nothing recompiles). Ends
-    their observation."""
+#: The names of a region's own ways to run, beside the calls ``add_region_calls`` adds.
+COMPILED, EAGER = "compiled", "eager"
+
+
+class WhileTraining:
+    """A region's call that runs ``training`` where autograd records (a training step)
+    and ``otherwise`` elsewhere (validation, generation, ``no_grad``)."""
+
+    def __init__(self, training: Callable[..., Any], otherwise: Callable[..., Any]) -> None:
+        self.training = training
+        self.otherwise = otherwise
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.training if torch.is_grad_enabled() else self.otherwise
+        return call(*args, **kwargs)
+
+
+def add_region_calls(module: nn.Module, name: str, compile_kwargs: dict[str, Any]) -> None:
+    """Compile each region of ``module`` (compiled in place) again by ``compile_kwargs``
+    (``torch.compile``'s), for training calls, and keep the result beside its compiled
+    call as ``name``, to be put in place by ``use_region_calls``. Nothing compiles before
+    a region runs it; calls outside training keep the first compiled call."""
+    tracker = tracker_of(module)
+    if tracker is None:
+        raise ValueError(f"{type(module).__name__} has no regions compiled in place.")
+    kwargs = dict(compile_kwargs)
+    backend = kwargs.pop("backend", "inductor")
+    mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
+    validate_compile_arguments(backend, mode, options)
+    kwargs["backend"] = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
+    for observer in tracker.observers:
+        call = observer.call
+        if isinstance(call, CompiledForward):
+            again = torch.compile(_uncompiled(call.compiled), **kwargs)
+            alternative: Any = CompiledForward(call.module, WhileTraining(again, call.compiled))
+        else:
+            again = torch.compile(_uncompiled(call), **kwargs)
+            alternative = WhileTraining(again, call)
+        observer.alternatives[name] = alternative
+
+
+def _uncompiled(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """What ``torch.compile`` compiled into ``compiled``."""
+    return cast(Callable[..., Any], dynamo_original_callable(compiled))
+
+
+def use_region_calls(module: nn.Module, name: str) -> None:
+    """Run the regions ``compile_regions(module, inplace=True)`` compiled by ``name``:
+    ``"compiled"`` (their compiled calls), ``"eager"`` (each compiled call set aside)
+    or a name given to ``add_region_calls``. In place: parameters, hooks and
+    ``state_dict`` keys are untouched, and a call already compiled compiles nothing
+    again. Ends their observation."""
     tracker = tracker_of(module)
     if tracker is None:
         raise ValueError(f"{type(module).__name__} has no regions compiled in place.")
     for observer in tracker.observers:
         observer.end()
-        if not eager:
+        if name == COMPILED:
             observer.slot[observer.key] = observer.call
+        elif name != EAGER:
+            observer.slot[observer.key] = observer.alternatives[name]
         elif observer.key == FORWARD:  # a compiled forward (eager_hooks): the class's again
             observer.slot.pop(FORWARD, None)
         else:

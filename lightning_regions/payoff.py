@@ -1,27 +1,41 @@
 """Compilation that pays, or steps aside: once the regions run compiled, time this run's
-own training steps compiled and then eager, keep the faster, and say both figures.
+own training steps compiled, then eager, then each candidate (CUDA graphs, where they may
+pay), keep the fastest, and say every figure.
 
-The windows, counted in optimizer steps after the first compiled one (the default mode's
-first step, the background mode's first step after its switch):
+The phases, counted in optimizer steps from the first compiled one (the default mode's
+first step, the background mode's first step after its switch); each phase's first steps
+settle untimed, then ``WINDOW`` steps are timed:
 
-- ``SETTLE`` compiled steps are not timed (a last recompile, the allocator settling);
-- ``WINDOW`` compiled steps are timed;
-- the regions then run eager (their compiled calls set aside in place:
-  ``compile.set_regions_eager``); one step settles, ``WINDOW`` eager steps are timed;
-- the decision, once per setup that trains: the regions stay compiled only when the median
-  compiled step is at least ``EDGE`` (1%) shorter than the median eager step (eager gets
-  that edge, as torch's old ``autotune`` backend gave it), and every process agrees (all
-  must find compiled faster), so ranks never train different code. Then it never changes:
-  noise cannot flip it back and forth.
+- **compiled**: ``SETTLE + 1`` steps settle (the first compiles; a last recompile, the
+  allocator settling);
+- **eager**: the regions' compiled calls set aside in place (``compile.use_region_calls``);
+  one step settles;
+- **each candidate** (``Candidate``): the regions compiled again its way, for training
+  calls (validation and generation keep the first compiled calls); ``CANDIDATE_SETTLE``
+  steps settle (its compile, CUDA graphs' warm-up and recording).
+
+The decision, once per setup that trains, agreed by every process (each boolean must
+hold on all of them, so ranks never train different code), and then never changed, so
+noise cannot flip it back and forth:
+
+1. a candidate replaces the compiled calls only when its median step is at least ``EDGE``
+   (1%) shorter than theirs and it ran as it claims (CUDA graphs that inductor skipped,
+   its ``cudagraph_skips`` counter, do not count as CUDA graphs);
+2. the regions stay compiled (that way) only when its median step is at least ``EDGE``
+   shorter than the median eager step: eager gets that edge, as torch's old ``autotune``
+   backend gave it.
 
 The steps timed are real training steps: nothing is rolled back or repeated. A step is
 the time between two optimizer-step boundaries (data, forward, backward and optimizer, as
-the user's loop runs them). On CUDA the boundaries are CUDA events, read once at the
-decision (one ``synchronize``), so no timed step gains a host-device sync.
+the user's loop runs them). On CUDA the boundaries are CUDA events, read once at the end
+of each phase (one ``synchronize``), so no timed step gains a host-device sync.
 
 What it costs: the eager window is ``WINDOW + 1`` steps run eager where compiled may be
 faster, so a run of 1,000 steps whose compiled step is ``r`` times faster than eager
-loses ``(WINDOW + 1) * (r - 1) / 1000`` of its time: at most 1% up to ``r = 3``.
+loses ``(WINDOW + 1) * (r - 1) / 1000`` of its time: at most 1% up to ``r = 3``. A
+candidate adds its own compile (with CUDA graphs, the same kernels: inductor's caches
+hold them) and ``CANDIDATE_SETTLE + WINDOW`` steps, at the compiled step's pace or
+better.
 """
 
 from __future__ import annotations
@@ -29,19 +43,27 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from .compile import set_regions_eager, tracker_of
+from .compat import cudagraph_skips
+from .compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
+from .options import RegionalOptions
 
 #: Compiled steps not timed after the first compiled one.
 SETTLE = 2
-#: Steps timed compiled, then eager.
+#: Steps a candidate runs untimed: its compile and warm-up, CUDA graphs' recording.
+CANDIDATE_SETTLE = 3
+#: Steps timed each way.
 WINDOW = 4
-#: Compiled must be at least this much faster than eager to be kept.
+#: A way must be at least this much faster than the one it replaces to replace it.
 EDGE = 0.01
+#: The candidate that runs the regions' training calls as CUDA graphs.
+CUDA_GRAPHS = "CUDA graphs"
+#: ``torch.compile`` modes whose kernels are the default mode's, without CUDA graphs.
+MODES_WITHOUT_CUDA_GRAPHS = (None, "default", "max-autotune-no-cudagraphs")
 
 
 class Processes(Protocol):
@@ -54,16 +76,77 @@ class Processes(Protocol):
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """Another way to compile the regions' training calls, timed in the decision:
+    ``compile_kwargs`` go to ``torch.compile``; ``cuda_graphs``: it claims CUDA graphs,
+    and counts only where inductor skipped none."""
+
+    name: str
+    compile_kwargs: dict[str, Any]
+    cuda_graphs: bool = False
+
+
+def cuda_graphs_candidate(
+    options: RegionalOptions, device: torch.device, single_process: bool, plain_steps: bool
+) -> Candidate | None:
+    """CUDA graphs (``mode="reduce-overhead"``) as a candidate where they may pay and are
+    known to be safe: on CUDA, inductor in a mode without them and no inductor options of
+    the user's, regions compiled whole with their hooks (not nested, not DeepSpeed's),
+    one process (``single_process``), and one forward and backward per optimizer step
+    (``plain_steps``: no gradient accumulation, whose second backward would overwrite
+    the first's CUDA-graph outputs). Else None."""
+    if device.type != "cuda" or options.backend != "inductor":
+        return None
+    if options.mode not in MODES_WITHOUT_CUDA_GRAPHS or options.options is not None:
+        return None
+    if options.granularity != "regions" or not (single_process and plain_steps):
+        return None
+    kwargs = {**options.compile_kwargs, "mode": "reduce-overhead"}
+    return Candidate(CUDA_GRAPHS, kwargs, cuda_graphs=True)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A candidate's median step (None if it did not run its window) and what to say
+    of it (its memory, or why it does not count)."""
+
+    way: str
+    ms: float | None
+    note: str = ""
+    counts: bool = True
+
+    def __str__(self) -> str:
+        timed = f"{self.ms:.1f} ms" if self.ms is not None else "not timed"
+        return f"{self.way} {timed}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclass(frozen=True)
 class PayoffDecision:
-    """The medians this process measured, and what every process decided."""
+    """The medians this process measured, and what every process decided: ``chosen``
+    is ``"compiled"``, ``"eager"`` or a candidate's name."""
 
     compiled_ms: float
     eager_ms: float
-    kept: bool
+    chosen: str
+    candidates: tuple[Figure, ...] = ()
+
+    @property
+    def kept(self) -> bool:
+        """Whether the regions stay compiled (one way or another)."""
+        return self.chosen != EAGER
 
     def __str__(self) -> str:
-        what = "regions kept compiled" if self.kept else "regions reverted to eager"
-        return f"compiled {self.compiled_ms:.1f} ms vs eager {self.eager_ms:.1f} ms a step: {what}"
+        others = "".join(f", {figure}" for figure in self.candidates)
+        if self.chosen == EAGER:
+            what = "regions reverted to eager"
+        elif self.chosen == COMPILED:
+            what = "regions kept compiled"
+        else:
+            what = f"regions kept compiled, with {self.chosen}"
+        return (
+            f"compiled {self.compiled_ms:.1f} ms{others} vs eager {self.eager_ms:.1f} ms a "
+            f"step: {what}"
+        )
 
 
 class StepClock:
@@ -81,45 +164,122 @@ class StepClock:
         else:
             self.marks.append(time.perf_counter())
 
-    def milliseconds(self, first: int, last: int) -> list[float]:
-        """The steps between marks ``first`` and ``last``, in milliseconds."""
-        marks = self.marks[first : last + 1]
+    def milliseconds(self) -> list[float]:
+        """The steps between the marks, in milliseconds."""
         if self.cuda:
-            marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
-        return [1000 * (b - a) for a, b in itertools.pairwise(marks)]
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.marks)]
+        return [1000 * (b - a) for a, b in itertools.pairwise(self.marks)]
+
+
+@dataclass
+class Phase:
+    """One way's steps: ``settle`` untimed, then ``WINDOW`` timed."""
+
+    way: str
+    settle: int
+    clock: StepClock
+    candidate: Candidate | None = None
+    steps: int = 0
+    skips_before: int = 0
+    reserved_before: int = 0
+    counts: bool = True  # False where it did not run as it claims
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.clock.marks) == WINDOW + 1
+
+    def median_ms(self) -> float:
+        return statistics.median(self.clock.milliseconds())
 
 
 class CompilePayoff:
-    """Times a module's compiled regions against eager over its own steps and keeps the
-    faster (see the module docstring). ``at_step_boundary`` after every optimizer step
-    from the first compiled one on; it returns the decision once, when made."""
+    """Times a module's compiled regions against eager (and ``candidates``) over its own
+    steps and keeps the fastest (see the module docstring). ``at_step_boundary`` after
+    every optimizer step from the first compiled one on; it returns the decision once,
+    when made."""
 
-    def __init__(self) -> None:
-        self.clock: StepClock | None = None  # made at the first timed boundary
-        self.boundaries = 0
+    def __init__(self, candidates: tuple[Candidate, ...] = ()) -> None:
+        self.candidates = candidates
+        self.phases: list[Phase] = []  # made at the first boundary, on the device
         self.decision: PayoffDecision | None = None
+        self.cuda_graphs = False  # whether the regions' training calls are CUDA graphs
 
     def at_step_boundary(self, module: Any, processes: Processes) -> PayoffDecision | None:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier outputs are done
         tracker = tracker_of(module)
         if self.decision is not None or tracker is None:
             return None
-        self.boundaries += 1  # the first is the end of the first compiled step
-        if self.boundaries <= SETTLE:
+        if not self.phases:
+            device = processes.root_device
+            self.phases = [
+                Phase(COMPILED, SETTLE + 1, StepClock(device)),
+                Phase(EAGER, 1, StepClock(device)),
+                *(Phase(c.name, CANDIDATE_SETTLE, StepClock(device), c) for c in self.candidates),
+            ]
+        phase = next(phase for phase in self.phases if not phase.done)
+        phase.steps += 1
+        if phase.steps >= phase.settle:
+            phase.clock.mark()
+        if not phase.done:
             return None
-        if self.clock is None:
-            self.clock = StepClock(processes.root_device)
-        self.clock.mark()
-        eager_from = WINDOW + 1  # marks 0..WINDOW time compiled steps; then one settles
-        if len(self.clock.marks) == eager_from:
-            set_regions_eager(module, True)
-        if len(self.clock.marks) < eager_from + WINDOW + 1:
+        self._end(phase, device=processes.root_device)
+        following = [later for later in self.phases if not later.done]
+        if following:
+            self._start(module, following[0], device=processes.root_device)
             return None
-        compiled = statistics.median(self.clock.milliseconds(0, WINDOW))
-        eager = statistics.median(self.clock.milliseconds(eager_from, eager_from + WINDOW))
-        kept = processes.reduce_boolean_decision(compiled <= (1 - EDGE) * eager, all=True)
-        if kept:
-            set_regions_eager(module, False)
-        self.decision = PayoffDecision(compiled, eager, kept)
+        self.decision = self._decide(processes)
+        use_region_calls(module, self.decision.chosen)
+        self.cuda_graphs = any(
+            c.cuda_graphs and c.name == self.decision.chosen for c in self.candidates
+        )
         tracker.payoff = str(self.decision)
         return self.decision
+
+    def _start(self, module: Any, phase: Phase, device: torch.device) -> None:
+        """Put ``phase``'s way in place for the next step."""
+        candidate = phase.candidate
+        if candidate is not None:
+            add_region_calls(module, candidate.name, candidate.compile_kwargs)
+            phase.skips_before = cudagraph_skips()
+            phase.reserved_before = _reserved(device)
+        self.cuda_graphs = candidate is not None and candidate.cuda_graphs
+        use_region_calls(module, phase.way)
+
+    def _end(self, phase: Phase, device: torch.device) -> None:
+        """What ``phase`` showed besides its time: a candidate's memory, and skips."""
+        candidate = phase.candidate
+        if candidate is None:
+            return
+        if device.type == "cuda":
+            grown = (_reserved(device) - phase.reserved_before) / 2**20
+            phase.notes.append(f"{grown:+.0f} MiB reserved")
+        skipped = cudagraph_skips() - phase.skips_before
+        if candidate.cuda_graphs and skipped:
+            phase.counts = False
+            phase.notes.append(
+                f"inductor skipped CUDA graphs for {skipped} graph(s), not counted: "
+                "TORCH_LOGS=cudagraphs says why"
+            )
+
+    def _decide(self, processes: Processes) -> PayoffDecision:
+        compiled, eager, *tried = self.phases
+        compiled_ms, eager_ms = compiled.median_ms(), eager.median_ms()
+        best_way, best_ms = COMPILED, compiled_ms
+        figures = []
+        for phase in tried:
+            ms = phase.median_ms()
+            figures.append(Figure(phase.way, ms, "; ".join(phase.notes), phase.counts))
+            faster = phase.counts and ms <= (1 - EDGE) * best_ms
+            if processes.reduce_boolean_decision(faster, all=True):
+                best_way, best_ms = phase.way, ms
+        kept = processes.reduce_boolean_decision(best_ms <= (1 - EDGE) * eager_ms, all=True)
+        chosen = best_way if kept else EAGER
+        return PayoffDecision(compiled_ms, eager_ms, chosen, tuple(figures))
+
+
+def _reserved(device: torch.device) -> int:
+    """Bytes the CUDA caching allocator holds on ``device`` (0 elsewhere)."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0

@@ -31,7 +31,7 @@ from .compile import tracker_of
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
 from .options import RegionalOptions, split_options, takes_options
-from .payoff import CompilePayoff
+from .payoff import Candidate, CompilePayoff, cuda_graphs_candidate
 from .recipe import CompileRecipe
 from .regions import RegionPlan, find_regions
 from .report import region_report
@@ -180,7 +180,13 @@ class RegionalCompileBase:
         rank_zero_info(f"{region_report(module)}")
         self.reporter.enter()
         pays = self.options.keep_if_faster and self.trains_here()
-        self.payoff = CompilePayoff() if pays else None
+        self.payoff = CompilePayoff(self.payoff_candidates()) if pays else None
+
+    def payoff_candidates(self) -> tuple[Candidate, ...]:
+        """The ways besides compiled and eager that ``keep_if_faster`` times: none here
+        (Fabric's loop may accumulate gradients unseen); the Trainer's single-device
+        strategy adds CUDA graphs (``payoff.cuda_graphs_candidate``)."""
+        return ()
 
 
 class RegionalCompileMixin(RegionalCompileBase, Strategy):
@@ -251,6 +257,14 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
             self.options.trust_unsigned_artifacts,
         )
         return checkpoint
+
+    @override
+    def payoff_candidates(self) -> tuple[Candidate, ...]:
+        trainer = self.attached_trainer()
+        plain_steps = trainer is not None and trainer.accumulate_grad_batches == 1
+        one_process = isinstance(self, SingleDeviceStrategy) and not self.eager_hooks
+        candidate = cuda_graphs_candidate(self.options, self.root_device, one_process, plain_steps)
+        return () if candidate is None else (candidate,)
 
     @override
     def model_to_device(self) -> None:

@@ -332,6 +332,8 @@ class ObservedRegion:
         self.slot = slot
         self.key = key
         self.call: CompiledFn = slot[key]
+        #: Other compiled calls of the region, by name (``compile.add_region_calls``).
+        self.alternatives: dict[str, Any] = {}
         self.limit = limit
         backend.start_observing()
         self._stop = weakref.finalize(self, backend.stop_observing)

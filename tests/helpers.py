@@ -58,19 +58,23 @@ class FailsOnLayerNorm:
 
 
 class SlowAotEager:
-    """torch's ``aot_eager``, each compiled call made 30 ms slower (on global rank
-    ``only_rank`` alone, when given): compiled loses against eager."""
+    """torch's ``aot_eager`` (or ``backend``), each compiled call made ``seconds`` slower
+    (on global rank ``only_rank`` alone, when given): compiled loses against eager."""
 
-    def __init__(self, only_rank: int | None = None) -> None:
+    def __init__(
+        self, only_rank: int | None = None, backend: str = "aot_eager", seconds: float = 0.03
+    ) -> None:
         self.only_rank = only_rank
+        self.backend = backend
+        self.seconds = seconds
 
     def __call__(self, gm, example_inputs):
-        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
         if self.only_rank is not None and torch.distributed.get_rank() != self.only_rank:
             return compiled
 
         def slower(*args):
-            time.sleep(0.03)
+            time.sleep(self.seconds)
             return compiled(*args)
 
         return slower

@@ -10,11 +10,26 @@ from helpers import SlowAotEager, data, gpt, trainer
 from torch import nn
 
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
-from lightning_regions.payoff import SETTLE, WINDOW
+from lightning_regions.compile import WhileTraining
+from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, SETTLE, WINDOW, Candidate
 
 #: Optimizer steps until the decision: the first compiled, the settling ones, both windows.
 DECIDED_AFTER = 1 + SETTLE + 2 * WINDOW + 1
 STEPS = DECIDED_AFTER + 2
+#: The same, with one candidate timed after eager.
+WITH_A_CANDIDATE = DECIDED_AFTER + CANDIDATE_SETTLE + WINDOW
+
+
+class WithCandidates(RegionalCompileStrategy):
+    """The Trainer's strategy with ``candidates`` timed in the decision on any device:
+    the mechanism of the CUDA-graphs candidate, run on this CPU."""
+
+    def __init__(self, candidates: tuple[Candidate, ...], **options) -> None:
+        super().__init__(**options)
+        self.candidates = candidates
+
+    def payoff_candidates(self) -> tuple[Candidate, ...]:
+        return self.candidates
 
 
 def blocks(model) -> list[nn.Module]:
@@ -115,3 +130,128 @@ def test_a_clearly_faster_compile_is_kept(tmp_path):
     assert decision is not None and decision.kept, decision
     assert decision.compiled_ms < 0.8 * decision.eager_ms, decision
     assert all(block._compiled_call_impl is not None for block in module.model.blocks)
+
+
+def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_as_eager(
+    tmp_path, caplog
+):
+    model, plain = gpt(), gpt()
+    candidate = Candidate("aot_eager", {"backend": "aot_eager"})
+    strategy = WithCandidates((candidate,), backend=SlowAotEager())
+    steps = WITH_A_CANDIDATE + 2
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, strategy, steps, validate=True, val_check_interval=4).fit(model, data())
+    trainer(tmp_path, "auto", steps, validate=True, val_check_interval=4).fit(plain, data())
+    decision = strategy.payoff.decision
+    assert decision is not None and [figure.way for figure in decision.candidates] == ["aot_eager"]
+    timed = decision.candidates[0]
+    assert timed.counts and timed.ms < decision.compiled_ms - 20  # 3 slowed blocks a step
+    assert decision.chosen in ("aot_eager", "eager")  # eager and aot_eager are close here
+    assert f"compiled {decision.compiled_ms:.1f} ms, aot_eager {timed.ms:.1f} ms vs" in caplog.text
+    if decision.chosen == "aot_eager":  # training calls the candidate, the rest the first
+        assert all(isinstance(b._compiled_call_impl, WhileTraining) for b in blocks(model))
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.inductor
+def test_cuda_graphs_that_inductor_skipped_do_not_count_and_a_faster_candidate_is_kept(tmp_path):
+    """On this CPU inductor skips CUDA graphs (``cudagraph_skips``): that candidate is
+    timed and named, but never chosen; plain inductor, faster than a slowed inductor and
+    than eager, is."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = PointwiseStack()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    cuda_graphs = Candidate(CUDA_GRAPHS, {"backend": "inductor", "mode": "reduce-overhead"}, True)
+    fast = Candidate("inductor", {"backend": "inductor"})
+    strategy = WithCandidates((cuda_graphs, fast), backend=SlowAotEager(backend="inductor"))
+    steps = WITH_A_CANDIDATE + CANDIDATE_SETTLE + WINDOW + 2
+    batches = torch.utils.data.DataLoader(torch.randn(steps * 64, 64), batch_size=64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    module = Module()
+    try:
+        trainer(tmp_path, strategy, steps).fit(module, batches)
+    finally:
+        torch.set_num_threads(threads)
+    decision = strategy.payoff.decision
+    skipped, timed = decision.candidates
+    assert not skipped.counts and "inductor skipped CUDA graphs" in skipped.note, decision
+    assert timed.counts and decision.chosen == "inductor", decision
+    assert "regions kept compiled, with inductor" in str(region_report(module))
+
+
+def test_cuda_graphs_are_a_candidate_only_where_known_to_be_safe():
+    from lightning_regions.options import RegionalOptions
+    from lightning_regions.payoff import cuda_graphs_candidate
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    plain = RegionalOptions()
+    candidate = cuda_graphs_candidate(plain, cuda, single_process=True, plain_steps=True)
+    assert candidate is not None and candidate.cuda_graphs
+    assert candidate.compile_kwargs == {**plain.compile_kwargs, "mode": "reduce-overhead"}
+    no_graphs = RegionalOptions(mode="max-autotune-no-cudagraphs")
+    assert cuda_graphs_candidate(no_graphs, cuda, True, True).compile_kwargs["mode"] == (
+        "reduce-overhead"
+    )
+    refused = [
+        (plain, cpu, True, True),  # no CUDA
+        (plain, cuda, False, True),  # several processes (DDP, FSDP) or DeepSpeed's hooks
+        (plain, cuda, True, False),  # gradient accumulation
+        (RegionalOptions(mode="reduce-overhead"), cuda, True, True),  # the user's own choice
+        (RegionalOptions(mode="max-autotune"), cuda, True, True),  # has them already
+        (RegionalOptions(backend="aot_eager"), cuda, True, True),
+        (RegionalOptions(options={"max_autotune": True}), cuda, True, True),
+        (RegionalOptions(granularity="nested"), cuda, True, True),
+    ]
+    for options, device, single, steps in refused:
+        assert cuda_graphs_candidate(options, device, single, steps) is None, options
+
+
+@pytest.mark.parametrize("eager_hooks", [False, True])
+def test_region_calls_switch_in_place_and_a_candidate_serves_training_calls_only(eager_hooks):
+    import copy
+
+    from lightning_regions import compile_regions
+    from lightning_regions.compile import add_region_calls, use_region_calls
+
+    graphs: list[tuple[str, bool]] = []  # (which compile, whether grad was on)
+
+    def counting(name):
+        def backend(gm, example_inputs):
+            graphs.append((name, torch.is_grad_enabled()))
+            return gm.forward
+
+        return backend
+
+    torch.manual_seed(0)
+    model = PointwiseStack(width=8, depth=3)
+    eager = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    compile_regions(model, inplace=True, backend=counting("first"), eager_hooks=eager_hooks)
+    add_region_calls(model, "candidate", {"backend": counting("candidate")})
+    x = torch.randn(4, 8)
+    compiled_by_then = []
+    for name in ("compiled", "candidate", "eager", "candidate", "compiled"):
+        use_region_calls(model, name)
+        torch.testing.assert_close(model(x), eager(x))
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), eager(x))
+        compiled_by_then.append(len(graphs))
+    assert {grad for name, grad in graphs if name == "candidate"} == {True}  # training only
+    assert {grad for name, grad in graphs if name == "first"} == {True, False}
+    assert compiled_by_then[1] == compiled_by_then[-1]  # switching back compiles nothing
+    assert list(model.state_dict()) == keys
+    with pytest.raises(KeyError):
+        use_region_calls(model, "never added")
