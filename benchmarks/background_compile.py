@@ -67,6 +67,7 @@ WAYS: dict[str, tuple[str, bool, bool, str]] = {
     "torch.compile async, package": ("auto", True, True, "package"),
     "accelerate": ("accelerate", False, False, "script"),
     "lightning_regions": ("regional", False, False, "script"),
+    "lightning_regions, always compiled": ("always compiled", False, False, "script"),
     "lightning_regions async": ("regional", False, True, "script"),
     "lightning_regions async, package": ("regional", False, True, "package"),
     "background": ("background", False, False, "script"),
@@ -80,7 +81,7 @@ ASYNC_ENV = {
 }
 SIZE = {"block_size": 128, "n_layer": 16, "n_head": 4, "n_embd": 256}
 BATCH = 8
-MARKS = (1, 10, 100)
+MARKS = (1, 10, 100, 1000)
 VALIDATE_EVERY = 10
 AFTER_SWITCH = 10
 TINY_GPT = ROOT / "examples" / "tiny_gpt.py"
@@ -135,6 +136,8 @@ def train(
         module.model = compile_regions(gpt)
     elif kind == "regional":
         strategy = RegionalCompileStrategy()
+    elif kind == "always compiled":
+        strategy = RegionalCompileStrategy(keep_if_faster=False)
     elif kind == "background":
         strategy = RegionalCompileStrategy(compile_in_background=True)
 
@@ -143,6 +146,7 @@ def train(
             self.ends: list[float] = []
             self.durations: list[float] = []
             self.validations: list[tuple[int, float]] = []  # (after step, seconds)
+            self.decided_at: int | None = None  # the step whose end keep_if_faster decided
 
         def on_fit_start(self, *args: object) -> None:
             self.start = time.perf_counter()
@@ -154,6 +158,9 @@ def train(
             now = time.perf_counter()
             self.ends.append(now - self.start)
             self.durations.append(now - self.began)
+            payoff = getattr(trainer.strategy, "payoff", None)
+            if self.decided_at is None and payoff is not None and payoff.decision is not None:
+                self.decided_at = len(self.ends)
             background = getattr(trainer.strategy, "background", None)
             if len(self.ends) >= steps and (
                 background is None
@@ -189,6 +196,10 @@ def train(
         "cpu_seconds": clock.seconds(),
         "warnings": sorted({w.category.__name__ for w in caught if "regions" in str(w.category)}),
     }
+    payoff = getattr(strategy, "payoff", None)
+    if payoff is not None and payoff.decision is not None:
+        record["payoff"] = str(payoff.decision)
+        record["payoff_step"] = timer.decided_at
     background = getattr(strategy, "background", None)
     if background is not None:
         record["steps_eager"] = background.steps_eager
@@ -278,21 +289,22 @@ def table(rounds: list[dict[str, dict]], ways: list[str]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
-        "| way | first step s | to step 10 s | to step 100 s | longest later step s | "
-        "switch stall s | first compiled step | 1st validation after switch / last s | "
-        "CPU s of the job |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| way | first step s | to step 10 s | to step 100 s | to step 1000 s | "
+        "longest later step s | switch stall s | first compiled step | "
+        "1st validation after switch / last s | CPU s of the job |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for way in ways:
         errors = [r[way]["error"] for r in rounds if "error" in r.get(way, {})]
         if errors:
-            lines.append(f"| {way} | failed: {errors[0][:120]} | | | | | | | |")
+            lines.append(f"| {way} | failed: {errors[0][:120]} | | | | | | | | |")
             continue
         validation = f"{cell(median(way, 'first_validation'), 2)} / "
         validation += cell(median(way, "last_validation"), 2)
         lines.append(
             f"| {way} | {cell(median(way, 'step_1'))} | {cell(median(way, 'step_10'))} | "
-            f"{cell(median(way, 'step_100'))} | {cell(median(way, 'longest_later'))} | "
+            f"{cell(median(way, 'step_100'))} | {cell(median(way, 'step_1000'))} | "
+            f"{cell(median(way, 'longest_later'))} | "
             f"{cell(median(way, 'stall'))} | {cell(median(way, 'switch_step'), 0)} | "
             f"{validation} | {cell(median(way, 'cpu'), 0)} |"
         )
@@ -324,6 +336,28 @@ def verdicts(rounds: list[dict[str, dict]], ways: list[str], median: Any) -> lis
         warned = sorted({w for r in rounds for w in r[way].get("warnings", [])})
         children = sorted({r[way].get("children") for r in rounds})
         out.append(f"- {way}: warnings of ours: {warned or 'none'}; children per run: {children}")
+    best_1000 = [median(w, "step_1000") for w in ("eager", "lightning_regions")]
+    for way in [w for w in ways if w.startswith("background")]:
+        ten, eager_ten, thousand = median(way, "step_10"), median("eager", "step_10"), None
+        if ten is not None and eager_ten is not None:
+            limit = 1.5 * eager_ten + 1
+            verdict = "met" if ten <= limit else "NOT met"
+            out.append(
+                f"- {way}: step 10 at {ten:.1f} s against 1.5 x eager's + 1 s = {limit:.1f} s: "
+                f"{verdict}"
+            )
+        thousand = median(way, "step_1000")
+        if thousand is not None and None not in best_1000:
+            limit = 1.05 * min(best_1000)
+            verdict = "met" if thousand <= limit else "NOT met"
+            out.append(
+                f"- {way}: step 1000 at {thousand:.1f} s against 1.05 x the best of eager and "
+                f"the default mode = {limit:.1f} s: {verdict}"
+            )
+    for way in ways:
+        decisions = sorted({r[way].get("payoff", "") for r in rounds if way in r} - {""})
+        if decisions:
+            out.append(f"- {way}: keep_if_faster decided: {' | '.join(decisions)}")
     for n in MARKS:
         reached = {w: median(w, f"step_{n}") for w in ways}
         known = {w: v for w, v in reached.items() if v is not None}
@@ -331,6 +365,29 @@ def verdicts(rounds: list[dict[str, dict]], ways: list[str], median: Any) -> lis
             best = min(known, key=lambda w: known[w])
             out.append(f"- step {n} is reached first by {best} ({known[best]:.1f} s)")
     return out
+
+
+def plot(rounds: list[dict[str, dict]], ways: list[str], path: Path, title: str) -> None:
+    """Time to step N against N, log scales, one line per way (the first round's run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for way in ways:
+        ends = rounds[0].get(way, {}).get("ends")
+        if ends:
+            axis.plot(range(1, len(ends) + 1), ends, label=way)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("step N")
+    axis.set_ylabel("seconds from the start of fit to the end of step N")
+    axis.set_title(title)
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -342,6 +399,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--depth", type=int, default=SIZE["n_layer"])
     parser.add_argument("--width", type=int, default=SIZE["n_embd"])
+    parser.add_argument("--name", default="background_compile", help="results file name")
     parser.add_argument("--child", choices=list(WAYS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     size = SIZE | {"n_layer": args.depth, "n_embd": args.width}
@@ -353,7 +411,6 @@ def main() -> None:
             record = train(args.child, model_classes(where), args.steps, args.device, size)
         print(json.dumps(record))
         return
-    import torch
 
     warm_torchs_own_files()
     load = OtherLoad()
@@ -369,18 +426,18 @@ def main() -> None:
                 print(f"round {index + 1}: {way}: {figures(runs[way])}", flush=True)
         rounds.append(runs)
     busy = load.cores()
+    shape = f"depth {args.depth}, width {args.width}"
     markdown = (
-        f"Depth-16 GPT (width 256, 16 blocks, tied head, batch {BATCH} x 128 tokens), classes "
-        f"in the training script, cold starts: inductor on {args.device}, each run in a fresh "
-        f"process with a fresh TORCHINDUCTOR_CACHE_DIR, Lightning's sanity check, validation "
-        f"every {VALIDATE_EVERY} steps; medians of {args.rounds} interleaved round(s). Run "
-        f"{started} on {os.uname().machine}, {os.cpu_count()} cores, torch "
-        f"{torch.__version__}; other programs used "
-        f"{busy if busy is None else round(busy, 2)} cores on average. Command: "
-        f"`python benchmarks/background_compile.py --rounds {args.rounds}`.\n\n"
-        + table(rounds, args.ways)
+        f"Tiny GPT ({shape}, tied head, batch {BATCH} x 128 tokens), classes in the training "
+        f"script, cold starts: inductor on {args.device}, each run in a fresh process with a "
+        f"fresh TORCHINDUCTOR_CACHE_DIR, Lightning's sanity check, validation every "
+        f"{VALIDATE_EVERY} steps, at least {args.steps} steps; medians of {args.rounds} "
+        f"interleaved round(s), started {started}; other programs used "
+        f"{busy if busy is None else round(busy, 2)} cores on average. Time to step N: "
+        f"`{args.name}.png`.\n\n" + table(rounds, args.ways)
     )
-    save_results(args.out, "background_compile", args.device, markdown, {"rounds": rounds})
+    stem = save_results(args.out, args.name, args.device, markdown, {"rounds": rounds})
+    plot(rounds, args.ways, stem.with_suffix(".png"), f"Time to step N, {shape}, {args.device}")
     print(markdown)
 
 

@@ -29,7 +29,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchmarks import protocol  # noqa: E402
 
-VARIANTS = ("eager", "whole", "accelerate", "regional_inplace", "nested", "torch_nested")
+VARIANTS = ("eager", "whole", "accelerate", "regional_inplace", "nested", "torch_nested", "gated")
+#: Ours with ``keep_if_faster``'s gate (``payoff.CompilePayoff``) run to its decision.
+GATED = "gated"
+#: The gate's goal: after the decision, within this of the faster of eager and ours.
+GATED_GOAL = 1.02
 LABELS = {
     "eager": "eager",
     "whole": "whole-model `torch.compile`",
@@ -37,19 +41,55 @@ LABELS = {
     "regional_inplace": "ours, `regions`",
     "nested": "ours, `nested`",
     "torch_nested": "torch's nested, by hand",
+    GATED: "ours, kept or reverted",
 }
 
 
-def child(depth: int, threads: int, width: int, rounds: int, steps: int, device: str) -> dict:
-    """Build, compile and warm every variant here; time them in interleaved rounds."""
+class OneProcess:
+    """What the gate asks of the job's processes, for a loop of one process."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.root_device = torch.device(device)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+
+def run_gate(model, step, device: str) -> str:
+    """Train ``model`` (compiled by ``compile_regions(inplace=True)``) with the strategy's
+    keep-or-revert gate on its own steps until it decides; the decision, as logged."""
+    from lightning_regions.payoff import CompilePayoff
+
+    payoff, processes = CompilePayoff(), OneProcess(device)
+    while payoff.decision is None:
+        step()
+        payoff.at_step_boundary(model, processes)
+    return str(payoff.decision)
+
+
+def child(
+    depth: int,
+    threads: int,
+    width: int,
+    rounds: int,
+    steps: int,
+    device: str,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict:
+    """Build, compile and warm every variant here (the gated one to its decision); time
+    them in interleaved rounds."""
     import torch
     from compile_time import build, step_once, synchronize
 
     torch.set_num_threads(threads)
     idx = torch.randint(0, 65, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
-    models, work = {}, {}
-    for variant in VARIANTS:
-        models[variant] = build(variant, depth, width, device)
+    models, work, decision = {}, {}, None
+    for variant in variants:
+        models[variant] = build(
+            "regional_inplace" if variant == GATED else variant, depth, width, device
+        )
 
         def step(model=models[variant]) -> None:
             step_once(model, idx)
@@ -57,15 +97,20 @@ def child(depth: int, threads: int, width: int, rounds: int, steps: int, device:
 
         for _ in range(protocol.WARMUP_STEPS + 1):  # the first one compiles
             step()
+        if variant == GATED:
+            decision = run_gate(models[variant], step, device)
         work[variant] = step
     load = protocol.OtherLoad()
     times = protocol.interleave(work, rounds, steps, clock=lambda: synchronize(device))
     estimates = {variant: protocol.estimate(rounds) for variant, rounds in times.items()}
+    references = [r for r in ("whole", "accelerate") if r in times]
     versus = {
         reference: {v: protocol.paired_ratio(t, times[reference]) for v, t in times.items()}
-        for reference in ("whole", "accelerate")
+        for reference in references
     }
     return {
+        "variants": list(variants),
+        "decision": decision,
         "depth": depth,
         "threads": torch.get_num_threads(),
         "other_cores": load.cores(),
@@ -109,6 +154,7 @@ def run_isolated(depth: int, threads: int, args: argparse.Namespace) -> dict:
         command = [sys.executable, __file__, "--child", str(depth), str(threads)]
         command += ["--width", str(args.width), "--rounds", str(args.rounds)]
         command += ["--steps", str(args.steps), "--device", args.device]
+        command += ["--variants", *args.variants]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"depth {depth}, {threads} thread(s) failed:\n{done.stderr[-3000:]}")
@@ -117,22 +163,41 @@ def run_isolated(depth: int, threads: int, args: argparse.Namespace) -> dict:
 
 def table_lines(results: list[dict]) -> list[str]:
     """The table of steady steps and paired ratios, one row per (result, variant), each
-    figure with its uncertainty."""
+    figure with its uncertainty; then the gate's decisions against its goal."""
     lines = [
         "| depth | threads | variant | steady step (ms) | +- | vs whole | +- | vs accelerate "
         "| +- |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
-        ms, ratio, within = result["ms"], result["ratio"], result["ratio_uncertainty"]
-        for variant in VARIANTS:
+        ms = result["ms"]
+
+        def versus(reference: str, variant: str, result: dict = result) -> str:
+            if reference not in result["ratio"]:
+                return "- | -"
+            value = result["ratio"][reference][variant]
+            spread = result["ratio_uncertainty"][reference][variant]
+            return f"{value:.3f}x | {100 * spread:.1f}%"
+
+        for variant in result.get("variants", VARIANTS):
             lines.append(
                 f"| {result['depth']} | {result['threads']} | {LABELS[variant]} | "
                 f"{ms[variant]:.1f} | {100 * result['uncertainty'][variant]:.1f}% | "
-                f"{ratio['whole'][variant]:.3f}x | {100 * within['whole'][variant]:.1f}% | "
-                f"{ratio['accelerate'][variant]:.3f}x | "
-                f"{100 * within['accelerate'][variant]:.1f}% |"
+                f"{versus('whole', variant)} | {versus('accelerate', variant)} |"
             )
+    lines.append("")
+    for result in results:
+        ms = result["ms"]
+        if result.get("decision") is None or not {"eager", "regional_inplace"} <= set(ms):
+            continue
+        best = min(ms["eager"], ms["regional_inplace"])
+        ratio = ms[GATED] / best
+        verdict = "met" if ratio <= GATED_GOAL else "NOT met"
+        lines.append(
+            f"- depth {result['depth']}, {result['threads']} thread(s): the gate decided "
+            f'"{result["decision"]}"; after it, {ms[GATED]:.1f} ms a step, {ratio:.3f}x the '
+            f"faster of eager and ours ({best:.1f} ms), goal {GATED_GOAL}x: {verdict}"
+        )
     return lines
 
 
@@ -174,10 +239,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--child", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--profile", type=int, metavar="DEPTH")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args()
     if args.child:
         depth, threads = args.child
-        result = child(depth, threads, args.width, args.rounds, args.steps, args.device)
+        variants = tuple(args.variants)
+        result = child(depth, threads, args.width, args.rounds, args.steps, args.device, variants)
         print(json.dumps(result))
         return
     from harness import save_results
@@ -192,8 +259,8 @@ def main() -> None:
     for depth in args.depths:
         for threads in args.threads:
             results.append(run_isolated(depth, threads, args))
-            ratios = {v: round(r, 3) for v, r in results[-1]["ratio"]["whole"].items()}
-            print(f"depth {depth} threads {threads}, vs whole: {ratios}", flush=True)
+            ms = {v: round(t, 1) for v, t in results[-1]["ms"].items()}
+            print(f"depth {depth} threads {threads}, ms: {ms}", flush=True)
     text = markdown(results, args)
     save_results(args.out, "steady_step", args.device, text, {"results": results})
     print(text)
