@@ -135,6 +135,7 @@ def cold_start_phases() -> dict:
         "inductor_forward_s": total("compile_fx.<locals>.fw_compiler_base"),
         "inductor_backward_s": total("compile_fx.<locals>.bw_compiler"),
         "cpp_kernels": len(compilation_time_metrics.get("compile_file", [])),
+        **{f"metric:{name}": sum(times) for name, times in compilation_time_metrics.items()},
     }
 
 
@@ -204,7 +205,22 @@ def vec_isa_probe_seconds() -> float:
 
 
 def medians(runs: list[dict]) -> dict:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    keys = dict.fromkeys(key for run in runs for key in run)  # a metric some runs lack: 0
+    return {key: statistics.median(run.get(key, 0.0) for run in runs) for key in keys}
+
+
+def metric_table(summary: dict, variants: list[str], depths: list[int]) -> str:
+    """Every timer of torch's ``dynamo_timed`` (seconds, summed over the process; nested
+    timers include their children) where some variant spent 0.05 s or more."""
+    rows = []
+    for depth in depths:
+        by_variant = summary[str(depth)]
+        names = sorted({k for row in by_variant.values() for k in row if k.startswith("metric:")})
+        for name in names:
+            values = [by_variant[v].get(name, 0.0) for v in variants]
+            if max(values) >= 0.05:
+                rows.append([str(depth), f"`{name[7:]}`", *(f"{value:.2f}" for value in values)])
+    return markdown(["depth", "torch timer", *variants], rows)
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:
@@ -311,6 +327,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--metrics", action="store_true", help="every torch timer, too")
     add_run_arguments(parser, VARIANTS)
     args = parser.parse_args()
     if args.child:
@@ -353,6 +370,11 @@ def main() -> None:
         "runs": runs,
         "medians": summary,
     }
+    if args.metrics:
+        markdown += (
+            "\nWhere the compile time goes, by torch's own timers (medians, seconds):\n\n"
+            f"{metric_table(summary, args.variants, args.depths)}\n"
+        )
     stem = save_results(args.out, "compile_time", args.device, markdown, data)
     plot(summary, args.variants, args.depths, stem.with_suffix(".png"))
     print(markdown)

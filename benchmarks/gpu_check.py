@@ -11,8 +11,8 @@ nothing of the others:
 - ``cold_starts``: the tiny GPT's cold first step at depth 16 (width 512, batch 8x128,
   forward and backward): eager, whole-model ``torch.compile``, accelerate, ours, ours
   nested and torch's ``nested_compile_region`` by hand (``compile_time.py``);
-- ``steady_steps``: the steady step of the same six at depth 16, interleaved rounds
-  (``steady_step.py``, ``protocol.py``);
+- ``steady_steps``: the steady step of the same six at depth 16, and of ours after the
+  keep-or-revert gate decided, interleaved rounds (``steady_step.py``, ``protocol.py``);
 - ``cuda_graphs``: ``mode="reduce-overhead"`` (CUDA graphs), ours against whole-model
   ``torch.compile`` and against the default mode, with inductor's CUDA-graph skips;
 - ``warm_resume``: a resume from checkpoint artifacts into an empty cache, against cold;
@@ -163,10 +163,10 @@ def cold_starts(device: str, size: dict) -> dict:
 
 
 def steady_steps(device: str, size: dict) -> dict:
-    from steady_step import run_isolated
+    from steady_step import VARIANTS, run_isolated
 
     settings = argparse.Namespace(
-        width=size["width"], rounds=size["rounds"], steps=3, device=device
+        width=size["width"], rounds=size["rounds"], steps=3, device=device, variants=VARIANTS
     )
     return run_isolated(size["depth"], 1, settings)
 
@@ -471,12 +471,18 @@ def steady_claims(result: dict) -> list[str]:
     ms = result["ms"]
     best = min(ms["eager"], ms["whole"])
     ratio = ms["regional_inplace"] / best
+    gated = ms["gated"] / min(ms["eager"], ms["regional_inplace"])
     return [
         verdict(
             ratio <= 1.02,
             "regional steady step within 1.02x the faster of eager and whole-model",
             ", ".join(f"{v} {t:.2f} ms" for v, t in ms.items()) + f"; ours {ratio:.2f}x",
-        )
+        ),
+        verdict(
+            gated <= 1.02,
+            "after keep_if_faster decided, within 1.02x the faster of eager and ours",
+            f'decided "{result.get("decision")}"; {ms["gated"]:.2f} ms, {gated:.2f}x',
+        ),
     ]
 
 
