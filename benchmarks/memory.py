@@ -181,6 +181,73 @@ def measure_child(depth: int, width: int) -> dict[str, Any]:
     }
 
 
+def ship_calls(depth: int, width: int, path: Path) -> None:
+    """Write to ``path`` what the background compile ships for the GPT at ``depth``,
+    ``width``: each region's structure and its one recorded training call."""
+    import torch
+
+    from examples.lightning_gpt import CharDataModule, GPTModule
+    from lightning_regions import find_regions
+    from lightning_regions.background import BackgroundCompile
+    from lightning_regions.options import RegionalOptions
+    from lightning_regions.recipe import CompileRecipe
+    from lightning_regions.shipment import pack
+
+    data = CharDataModule(block_size=64, batch_size=4)
+    module = GPTModule(
+        vocab_size=data.vocab_size, block_size=64, n_layer=depth, n_head=8, n_embd=width
+    )
+    plan = find_regions(module.model)
+    background = BackgroundCompile(plan, CompileRecipe(RegionalOptions()), 600, {})
+    module.model(torch.randint(0, data.vocab_size, (4, 64)))  # the recorders see each call
+    shipment = background.shipment()
+    assert shipment is not None
+    path.write_bytes(pack(shipment))
+    background.stop()
+
+
+def replay_per_call(path: Path) -> dict[str, Any]:
+    """Compile and replay the shipment at ``path`` as the child does, in this process;
+    its resident and peak memory after each call, in MiB."""
+    import lightning_regions.background_child as child
+    from lightning_regions.shipment import unpack
+
+    def status(field: str) -> float:
+        with open("/proc/self/status") as lines:
+            return next(int(line.split()[1]) for line in lines if line.startswith(field)) / 1024
+
+    after: list[dict[str, float]] = []
+    replay = child.replay
+
+    def replay_and_measure(region: Any, call: Any) -> None:
+        replay(region, call)
+        after.append({"rss": status("VmRSS:"), "peak": status("VmHWM:")})
+
+    child.replay = replay_and_measure  # this benchmark's own probe around our function
+    start = status("VmRSS:")
+    child.compile_shipment(unpack(path.read_bytes()))
+    return {"start_mb": start, "after_calls": after, "peak_mb": status("VmHWM:")}
+
+
+def measure_per_call(depth: int, width: int, fixed_threshold: bool) -> dict[str, Any]:
+    """``replay_per_call`` in a fresh process, with glibc's default ``malloc`` or the
+    fixed threshold the background child runs with (``background.CHILD_MALLOC``)."""
+    from lightning_regions.background import CHILD_MALLOC
+
+    with tempfile.TemporaryDirectory(prefix="memory-calls-") as folder:
+        path = Path(folder) / "shipment.pkl"
+        ship_calls(depth, width, path)
+        env = {k: v for k, v in os.environ.items() if k not in CHILD_MALLOC}
+        env |= CHILD_MALLOC if fixed_threshold else {}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(Path(folder) / "cache")}
+        command = [sys.executable, __file__, "--replay", str(path)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1][:300] if done.stderr else "?"}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"depth": depth, "width": width, "fixed_threshold": fixed_threshold, **result}
+
+
 def in_fresh_process(arguments: list[str]) -> dict[str, Any]:
     """Run this script on ``arguments`` in a new process with a new, empty compile cache."""
     with tempfile.TemporaryDirectory(prefix="memory-cache-") as cache:
@@ -192,7 +259,36 @@ def in_fresh_process(arguments: list[str]) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def markdown(rows: list[dict[str, Any]], children: list[dict[str, Any]], header: str) -> str:
+def per_call_lines(calls: list[dict[str, Any]]) -> list[str]:
+    """The per-call table: what grows per region in the child, by ``malloc`` setting."""
+    if not calls:
+        return []
+    lines = [
+        "",
+        "What grows per region: the same shipment (one training call per region) compiled "
+        "and replayed as the child does, in a fresh process, resident memory after each "
+        "call (MiB); glibc's default `malloc` against the fixed `mmap` threshold the child "
+        "runs with (`background.CHILD_MALLOC`):",
+        "",
+        "| depth | malloc | after each call (MiB) | peak (MiB) |",
+        "|---|---|---|---|",
+    ]
+    for run in calls:
+        if "error" in run:
+            lines.append(f"| ? | failed: {run['error']} | | |")
+            continue
+        each = ", ".join(f"{call['rss']:.0f}" for call in run["after_calls"])
+        how = "fixed 1 MiB threshold" if run["fixed_threshold"] else "glibc default"
+        lines.append(f"| {run['depth']} | {how} | {each} | {run['peak_mb']:.0f} |")
+    return lines
+
+
+def markdown(
+    rows: list[dict[str, Any]],
+    children: list[dict[str, Any]],
+    header: str,
+    calls: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> str:
     lines = [
         "# Memory: what each way keeps in a steady step, and the background child's peak",
         "",
@@ -239,6 +335,7 @@ def markdown(rows: list[dict[str, Any]], children: list[dict[str, Any]], header:
             f"From depth {good[0]['depth']} to {good[-1]['depth']} the child's peak grows by "
             f"{growth:+.0f} MiB: {verdict} one block's weights ({good[0]['block_mb']:.0f} MiB).",
         ]
+    lines += per_call_lines(list(calls))
     return "\n".join(lines) + "\n"
 
 
@@ -250,7 +347,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--way", help=argparse.SUPPRESS)  # one way, in a fresh process
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # one child depth
+    parser.add_argument("--replay", type=Path, help=argparse.SUPPRESS)  # per call, here
     args = parser.parse_args()
+    if args.replay:
+        print(json.dumps(replay_per_call(args.replay)))
+        return
     if args.way:
         print(json.dumps(measure_way(args.way)))
         return
@@ -269,6 +370,11 @@ def main() -> None:
         child = in_fresh_process(["--child", str(depth), "--child-width", str(args.child_width)])
         print(json.dumps(child), flush=True)
         children.append(child)
+    calls = []
+    for depth in args.child_depths:
+        for fixed in (False, True):
+            calls.append(measure_per_call(depth, args.child_width, fixed))
+            print(json.dumps({k: v for k, v in calls[-1].items() if k != "after_calls"}))
     header = (
         f"Measured {started} on {os.uname().machine}, {os.cpu_count()} cores, torch "
         f"{version('torch')}, inductor on CPU, one process per way with an empty compile "
@@ -276,8 +382,8 @@ def main() -> None:
         f"measured after {WARM_STEPS} (after the switch in the background way). Command: "
         f"`python benchmarks/memory.py {' '.join(sys.argv[1:])}`."
     )
-    data = {"started": started, "size": SIZE, "ways": rows, "children": children}
-    save_results(args.out, "memory", "cpu", markdown(rows, children, header), data)
+    data = {"started": started, "size": SIZE, "ways": rows, "children": children, "calls": calls}
+    save_results(args.out, "memory", "cpu", markdown(rows, children, header, calls), data)
 
 
 if __name__ == "__main__":

@@ -338,12 +338,10 @@ class BackgroundCompile:
             return True
         return not self._ship()
 
-    def _ship(self) -> bool:
-        """Give the child (started now if none runs) a round of every call recorded so
-        far, or note why not; True when a round was shipped. Those an earlier round
-        compiled are replayed again, warm, so that dynamo's state (a shape that changed
-        since the first call) is the training process's when the new ones compile."""
-        self.shipped.update(self.calls)
+    def shipment(self) -> Shipment | None:
+        """What a round ships now: the regions that can cross to another process (their
+        structure on ``meta``), every call recorded for them, and the recipe; None when
+        no call can ship. The regions that cannot are noted in ``unshipped``."""
         ours = {hook.id for hook in self._hooks}  # our recorders never cross
         copies, refused = shippable_copies([r.module for r in self.plan.regions], ours)
         self.unshipped.update(refused)
@@ -353,10 +351,19 @@ class BackgroundCompile:
             for key, call in self.calls.items()
             if key[0] in place
         ]
-        if not calls:
+        return Shipment(list(copies.values()), calls, self.recipe) if calls else None
+
+    def _ship(self) -> bool:
+        """Give the child (started now if none runs) a round of every call recorded so
+        far, or note why not; True when a round was shipped. Those an earlier round
+        compiled are replayed again, warm, so that dynamo's state (a shape that changed
+        since the first call) is the training process's when the new ones compile."""
+        self.shipped.update(self.calls)
+        shipment = self.shipment()
+        if shipment is None:
             return False
         try:
-            payload = pack(Shipment(list(copies.values()), calls, self.recipe))
+            payload = pack(shipment)
         except Unshippable as error:
             self.failure = str(error)
             return False

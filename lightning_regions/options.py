@@ -128,10 +128,10 @@ class RegionalOptions:
         default=True,
         metadata=_doc(
             "time this run's own training steps with the regions compiled, then eager (4 "
-            "each, from the third compiled step), and keep them compiled only where that "
-            "is at least 1% faster, agreed by every process; the log and the report give "
-            "both figures and the decision, once (docs/diagnosis.md). ``False``: always "
-            "compiled."
+            "each, from the third compiled step), on one CUDA device also with CUDA graphs, "
+            "and keep the fastest, compiled only where that is at least 1% faster, agreed "
+            "by every process; the log and the report give the figures and the decision, "
+            "once (docs/diagnosis.md). ``False``: always compiled."
         ),
     )
     granularity: Literal["regions", "nested"] = field(
