@@ -271,14 +271,17 @@ def real_run(model: str, way: str, device: str) -> dict:
     return {**real_figures(marks), "loss": loss.item()}
 
 
-def real_figures(marks: dict[int, float]) -> dict[str, float]:
-    """First step, steps 10 and 100, and the steady step (steps 50-100), from the seconds
-    at the ends of the steps ``REAL_STEPS`` names."""
+def real_figures(marks: dict[int, float]) -> dict[str, Any]:
+    """First step, steps 10 and 100, the steady step (steps 50-100) and step 1,000
+    projected from it, from the seconds at the ends of the steps ``REAL_STEPS`` names."""
+    steady = (marks[100] - marks[50]) / 50
     return {
         "first_step_s": marks[1],
         "step_10_s": marks[10],
         "step_100_s": marks[100],
-        "steady_step_ms": 1000 * (marks[100] - marks[50]) / 50,
+        "steady_step_ms": 1000 * steady,
+        "step_1000_projected_s": marks[100] + 900 * steady,
+        "marks": marks,
     }
 
 
@@ -552,7 +555,8 @@ def real_model_claims(models: dict) -> list[str]:
         ratio = ours["steady_step_ms"] / eager["steady_step_ms"]
         figures = ", ".join(
             f"{way} {row['first_step_s']:.1f} s first, {row['steady_step_ms']:.1f} ms steady, "
-            f"step 100 at {row['step_100_s']:.1f} s"
+            f"step 100 at {row['step_100_s']:.1f} s, step 1000 (projected) at "
+            f"{row['step_1000_projected_s']:.0f} s"
             + (f" ({row['decision']})" if "decision" in row else "")
             for way, row in ways.items()
             if "steady_step_ms" in row
@@ -601,18 +605,47 @@ CLAIMS = {
 
 def provenance(device: str, machine: str) -> dict[str, Any]:
     import torch
+    from harness import commit
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
     return {
-        "commit": commit or "unknown",
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": machine,
         "torch": torch.__version__,
         "cores": len(os.sched_getaffinity(0)),
         "command": "make gpu-check" if device == "cuda" else f"{Path(__file__).name} --device cpu",
     }
+
+
+def plot_real_models(parts: dict[str, dict], path: Path) -> None:
+    """Time to step N of each real model's ways (log scales): the steps measured, and
+    step 1,000 projected from the steady step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = {m: w for m, w in parts.get("real_models", {}).items() if isinstance(w, dict)}
+    if not models:
+        return
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for axis, (model, ways) in zip(axes[0], models.items(), strict=True):
+        for way, row in ways.items():
+            marks = {int(step): seconds for step, seconds in row.get("marks", {}).items()}
+            if "step_1000_projected_s" in row:
+                marks[1000] = row["step_1000_projected_s"]
+            if marks:
+                steps = sorted(marks)
+                axis.plot(steps, [marks[n] for n in steps], marker="o", label=way)
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("step N (1,000: projected from the steady step)")
+        axis.set_ylabel("seconds to the end of step N")
+        axis.set_title(f"{model}, bf16")
+        axis.grid(alpha=0.3, which="both")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def markdown(about: dict, parts: dict[str, dict], lines: list[str]) -> str:
@@ -625,7 +658,30 @@ def markdown(about: dict, parts: dict[str, dict], lines: list[str]) -> str:
     for name, part in parts.items():
         seconds = part["end_s"] - part["start_s"]
         rows.append(f"| {name} | {part['lane']} | {seconds:.0f} | {', '.join(part['beside'])} |")
-    return "\n".join([head, "", *rows, "", *(f"- {line}" for line in lines)]) + "\n"
+    body = [head, "", *rows, "", *(f"- {line}" for line in lines), *real_table(parts)]
+    return "\n".join(body) + "\n"
+
+
+def real_table(parts: dict[str, dict]) -> list[str]:
+    """The real models' figures, a row per way (the plot beside it: ``*_real.png``)."""
+    models = {m: w for m, w in parts.get("real_models", {}).items() if isinstance(w, dict)}
+    lines = [
+        "",
+        "| model | way | first step s | to step 10 s | to step 100 s | to step 1000 s "
+        "(projected) | steady step ms | decision |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, ways in models.items():
+        for way, row in ways.items():
+            if "steady_step_ms" not in row:
+                lines.append(f"| {model} | {way} | {row.get('error', 'no figures')} | | | | | |")
+                continue
+            lines.append(
+                f"| {model} | {way} | {row['first_step_s']:.1f} | {row['step_10_s']:.1f} | "
+                f"{row['step_100_s']:.1f} | {row['step_1000_projected_s']:.0f} | "
+                f"{row['steady_step_ms']:.1f} | {row.get('decision', '')} |"
+            )
+    return lines if models else []
 
 
 def main() -> None:
@@ -653,6 +709,7 @@ def main() -> None:
     name = "gpu_check" if args.device == "cuda" else "gpu_check_cpu"
     (args.out / f"{name}.json").write_text(json.dumps({**about, "parts": parts}, indent=1))
     (args.out / f"{name}.md").write_text(markdown(about, parts, lines))
+    plot_real_models(parts, args.out / f"{name}_real.png")
     print("\n".join(f"gpu-check: {line}" for line in lines))
     print(f"gpu-check took {about['seconds']:.0f} s; results in {args.out / name}.md")
 

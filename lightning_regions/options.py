@@ -127,8 +127,8 @@ class RegionalOptions:
     keep_if_faster: bool = field(
         default=True,
         metadata=_doc(
-            "time this run's own training steps with the regions compiled, then eager (4 "
-            "each, from the third compiled step), on one CUDA device also with CUDA graphs, "
+            "time this run's own training steps with the regions compiled and eager in turns "
+            "(4 each, from the fourth compiled step), on one CUDA device also with CUDA graphs, "
             "and keep the fastest, compiled only where that is at least 1% faster, agreed "
             "by every process; the log and the report give the figures and the decision, "
             "once (docs/diagnosis.md). ``False``: always compiled."

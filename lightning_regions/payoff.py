@@ -1,18 +1,23 @@
 """Compilation that pays, or steps aside: once the regions run compiled, time this run's
-own training steps compiled, then eager, then each candidate (CUDA graphs, where they may
-pay), keep the fastest, and say every figure.
+own training steps compiled against eager, then against each candidate (CUDA graphs,
+where they may pay), keep the fastest, and say every figure.
 
 The phases, counted in optimizer steps from the first compiled one (the default mode's
-first step, the background mode's first step after its switch); each phase's first steps
-settle untimed, then ``WINDOW`` steps are timed:
+first step, the background mode's first step after its switch):
 
-- **compiled**: ``SETTLE + 1`` steps settle (the first compiles; a last recompile, the
-  allocator settling);
-- **eager**: the regions' compiled calls set aside in place (``compile.use_region_calls``);
-  one step settles;
-- **each candidate** (``Candidate``): the regions compiled again its way, for training
-  calls (validation and generation keep the first compiled calls); ``CANDIDATE_SETTLE``
-  steps settle (its compile, CUDA graphs' warm-up and recording).
+- **compiled against eager**: ``SETTLE + 1`` compiled steps settle untimed (the first
+  compiles; a last recompile, the allocator settling); then ``2 * WINDOW`` steps are timed,
+  eager and compiled in turn, one step each (the regions' compiled calls set aside and
+  put back in place: ``compile.use_region_calls``; nothing recompiles);
+- **each candidate against compiled** (``Candidate``): the regions compiled again its way,
+  for training calls (validation and generation keep the first compiled calls);
+  ``CANDIDATE_SETTLE`` steps run it untimed (its compile, CUDA graphs' warm-up and
+  recording), then ``2 * WINDOW`` steps compiled and the candidate in turn.
+
+Ways take turns step by step because this project's machine, like any shared one, runs at
+two speeds for tens of seconds at a time (plain eager steps of the tiny GPT at width 16:
+49-51 ms, then 68-75 ms, with nothing else running and no steal time): windows of one way
+and then the other would compare two speeds of the machine, turns compare the ways.
 
 The decision, once per setup that trains, agreed by every process (each boolean must
 hold on all of them, so ranks never train different code), and then never changed, so
@@ -30,12 +35,11 @@ the time between two optimizer-step boundaries (data, forward, backward and opti
 the user's loop runs them). On CUDA the boundaries are CUDA events, read once at the end
 of each phase (one ``synchronize``), so no timed step gains a host-device sync.
 
-What it costs: the eager window is ``WINDOW + 1`` steps run eager where compiled may be
-faster, so a run of 1,000 steps whose compiled step is ``r`` times faster than eager
-loses ``(WINDOW + 1) * (r - 1) / 1000`` of its time: at most 1% up to ``r = 3``. A
-candidate adds its own compile (with CUDA graphs, the same kernels: inductor's caches
-hold them) and ``CANDIDATE_SETTLE + WINDOW`` steps, at the compiled step's pace or
-better.
+What it costs: ``WINDOW`` steps run eager where compiled may be faster, so a run of 1,000
+steps whose compiled step is ``r`` times faster than eager loses ``WINDOW * (r - 1) /
+1000`` of its time: at most 1% up to ``r = 3.5``. A candidate adds its own compile (with
+CUDA graphs, the same kernels: inductor's caches hold them) and ``CANDIDATE_SETTLE +
+2 * WINDOW`` steps, each at the compiled step's pace or better.
 """
 
 from __future__ import annotations
@@ -174,24 +178,34 @@ class StepClock:
 
 @dataclass
 class Phase:
-    """One way's steps: ``settle`` untimed, then ``WINDOW`` timed."""
+    """Steps that time ``challenger`` against ``incumbent``: ``settle`` untimed steps (of
+    the way already in place), then ``2 * WINDOW`` steps, the challenger and the
+    incumbent in turn."""
 
-    way: str
+    incumbent: str
+    challenger: str
     settle: int
     clock: StepClock
     candidate: Candidate | None = None
     steps: int = 0
     skips_before: int = 0
     reserved_before: int = 0
-    counts: bool = True  # False where it did not run as it claims
+    counts: bool = True  # False where the challenger did not run as it claims
     notes: list[str] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
-        return len(self.clock.marks) == WINDOW + 1
+        return len(self.clock.marks) == 2 * WINDOW + 1
 
-    def median_ms(self) -> float:
-        return statistics.median(self.clock.milliseconds())
+    def next_way(self) -> str:
+        """The way of the step that starts now (after the last mark)."""
+        timed = len(self.clock.marks) - 1  # steps timed so far
+        return self.challenger if timed % 2 == 0 else self.incumbent
+
+    def medians(self) -> tuple[float, float]:
+        """The incumbent's and the challenger's median step, in milliseconds."""
+        steps = self.clock.milliseconds()
+        return statistics.median(steps[1::2]), statistics.median(steps[0::2])
 
 
 class CompilePayoff:
@@ -204,7 +218,15 @@ class CompilePayoff:
         self.candidates = candidates
         self.phases: list[Phase] = []  # made at the first boundary, on the device
         self.decision: PayoffDecision | None = None
-        self.cuda_graphs = False  # whether the regions' training calls are CUDA graphs
+        self.cuda_graphs = False  # whether the regions' training calls may be CUDA graphs
+        self._module: Any = None  # the module timed, once timing began
+
+    def end(self) -> None:
+        """The run ends: where it ended before the decision (mid-turn), the regions run
+        compiled again, not the way that turn left them."""
+        if self.decision is None and self._module is not None:
+            use_region_calls(self._module, COMPILED)
+            self.cuda_graphs = False
 
     def at_step_boundary(self, module: Any, processes: Processes) -> PayoffDecision | None:
         if self.cuda_graphs:
@@ -212,23 +234,28 @@ class CompilePayoff:
         tracker = tracker_of(module)
         if self.decision is not None or tracker is None:
             return None
+        device = processes.root_device
+        self._module = module
         if not self.phases:
-            device = processes.root_device
             self.phases = [
-                Phase(COMPILED, SETTLE + 1, StepClock(device)),
-                Phase(EAGER, 1, StepClock(device)),
-                *(Phase(c.name, CANDIDATE_SETTLE, StepClock(device), c) for c in self.candidates),
+                Phase(COMPILED, EAGER, SETTLE + 1, StepClock(device)),
+                *(
+                    Phase(COMPILED, c.name, CANDIDATE_SETTLE, StepClock(device), c)
+                    for c in self.candidates
+                ),
             ]
         phase = next(phase for phase in self.phases if not phase.done)
         phase.steps += 1
         if phase.steps >= phase.settle:
             phase.clock.mark()
         if not phase.done:
+            if phase.steps >= phase.settle:
+                use_region_calls(module, phase.next_way())
             return None
-        self._end(phase, device=processes.root_device)
+        self._end(phase, device)
         following = [later for later in self.phases if not later.done]
         if following:
-            self._start(module, following[0], device=processes.root_device)
+            self._start(module, following[0], device)
             return None
         self.decision = self._decide(processes)
         use_region_calls(module, self.decision.chosen)
@@ -239,17 +266,17 @@ class CompilePayoff:
         return self.decision
 
     def _start(self, module: Any, phase: Phase, device: torch.device) -> None:
-        """Put ``phase``'s way in place for the next step."""
+        """Put ``phase``'s candidate in place for its settling steps."""
         candidate = phase.candidate
-        if candidate is not None:
-            add_region_calls(module, candidate.name, candidate.compile_kwargs)
-            phase.skips_before = cudagraph_skips()
-            phase.reserved_before = _reserved(device)
-        self.cuda_graphs = candidate is not None and candidate.cuda_graphs
-        use_region_calls(module, phase.way)
+        assert candidate is not None  # only the first phase has none, and it is in place
+        add_region_calls(module, candidate.name, candidate.compile_kwargs)
+        phase.skips_before = cudagraph_skips()
+        phase.reserved_before = _reserved(device)
+        self.cuda_graphs = candidate.cuda_graphs
+        use_region_calls(module, candidate.name)
 
     def _end(self, phase: Phase, device: torch.device) -> None:
-        """What ``phase`` showed besides its time: a candidate's memory, and skips."""
+        """What ``phase`` showed besides its times: a candidate's memory, and skips."""
         candidate = phase.candidate
         if candidate is None:
             return
@@ -265,16 +292,17 @@ class CompilePayoff:
             )
 
     def _decide(self, processes: Processes) -> PayoffDecision:
-        compiled, eager, *tried = self.phases
-        compiled_ms, eager_ms = compiled.median_ms(), eager.median_ms()
+        first, *tried = self.phases
+        compiled_ms, eager_ms = first.medians()
         best_way, best_ms = COMPILED, compiled_ms
         figures = []
         for phase in tried:
-            ms = phase.median_ms()
-            figures.append(Figure(phase.way, ms, "; ".join(phase.notes), phase.counts))
-            faster = phase.counts and ms <= (1 - EDGE) * best_ms
+            against, ms = phase.medians()  # compiled again, in turns with the candidate
+            figures.append(Figure(phase.challenger, ms, "; ".join(phase.notes), phase.counts))
+            scaled = ms * compiled_ms / against  # on the first phase's scale, beside eager's
+            faster = phase.counts and scaled <= (1 - EDGE) * best_ms
             if processes.reduce_boolean_decision(faster, all=True):
-                best_way, best_ms = phase.way, ms
+                best_way, best_ms = phase.challenger, scaled
         kept = processes.reduce_boolean_decision(best_ms <= (1 - EDGE) * eager_ms, all=True)
         chosen = best_way if kept else EAGER
         return PayoffDecision(compiled_ms, eager_ms, chosen, tuple(figures))

@@ -106,8 +106,10 @@ class RegionalCompileBase:
         return artifact_guard(device_type, self.compile_kwargs)
 
     def leave_parts(self) -> None:
-        """Leave what setup entered: the background compile, the compile cache and the
-        compile environment."""
+        """Leave what setup entered: an undecided keep-or-revert (the regions compiled
+        again), the background compile, the compile cache and the compile environment."""
+        if self.payoff is not None:
+            self.payoff.end()
         if self.background is not None:
             if not self.background.switched and self._compile_at_switch is not None:
                 rank_zero_info(self.background.summary())

@@ -84,7 +84,7 @@ def test_the_gate_picks_cuda_graphs_on_the_launch_bound_tiny_gpt(tmp_path, caplo
 
     from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, SETTLE, WINDOW
 
-    steps = 1 + SETTLE + 2 * WINDOW + 1 + CANDIDATE_SETTLE + WINDOW + 4
+    steps = 1 + SETTLE + 2 * WINDOW + CANDIDATE_SETTLE + 2 * WINDOW + 4
     size = {"n_layer": 4, "n_embd": 256, "n_head": 4}
     model, plain, check = gpt(**size), gpt(**size), TiedWeightsCheck()
     strategy = RegionalCompileStrategy()

@@ -13,11 +13,11 @@ from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_
 from lightning_regions.compile import WhileTraining
 from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, SETTLE, WINDOW, Candidate
 
-#: Optimizer steps until the decision: the first compiled, the settling ones, both windows.
-DECIDED_AFTER = 1 + SETTLE + 2 * WINDOW + 1
+#: Optimizer steps until the decision: the first compiled, the settling ones, the turns.
+DECIDED_AFTER = 1 + SETTLE + 2 * WINDOW
 STEPS = DECIDED_AFTER + 2
 #: The same, with one candidate timed after eager.
-WITH_A_CANDIDATE = DECIDED_AFTER + CANDIDATE_SETTLE + WINDOW
+WITH_A_CANDIDATE = DECIDED_AFTER + CANDIDATE_SETTLE + 2 * WINDOW
 
 
 class WithCandidates(RegionalCompileStrategy):
@@ -64,7 +64,7 @@ def test_a_backend_slower_than_eager_is_reverted_and_training_goes_on_as_eager(t
 def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path):
     early = RegionalCompileStrategy(backend=SlowAotEager())
     model = gpt()
-    trainer(tmp_path, early, SETTLE + WINDOW).fit(model, data())  # before the eager window
+    trainer(tmp_path, early, SETTLE + 1).fit(model, data())  # ends as the eager turn is set
     assert early.payoff.decision is None
     assert all(block._compiled_call_impl is not None for block in blocks(model))
     off = RegionalCompileStrategy(backend=SlowAotEager(), keep_if_faster=False)
@@ -176,7 +176,7 @@ def test_cuda_graphs_that_inductor_skipped_do_not_count_and_a_faster_candidate_i
     cuda_graphs = Candidate(CUDA_GRAPHS, {"backend": "inductor", "mode": "reduce-overhead"}, True)
     fast = Candidate("inductor", {"backend": "inductor"})
     strategy = WithCandidates((cuda_graphs, fast), backend=SlowAotEager(backend="inductor"))
-    steps = WITH_A_CANDIDATE + CANDIDATE_SETTLE + WINDOW + 2
+    steps = WITH_A_CANDIDATE + CANDIDATE_SETTLE + 2 * WINDOW + 2
     batches = torch.utils.data.DataLoader(torch.randn(steps * 64, 64), batch_size=64)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
