@@ -617,6 +617,16 @@ def provenance(device: str, machine: str) -> dict[str, Any]:
     }
 
 
+def real_models_of(parts: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """The real-model part's rows: model: way: figures (ways that failed: their error)."""
+    result = parts.get("real_models", {}).get("result", {})
+    return {
+        model: {way: row for way, row in ways.items() if isinstance(row, dict)}
+        for model, ways in result.items()
+        if isinstance(ways, dict)
+    }
+
+
 def plot_real_models(parts: dict[str, dict], path: Path) -> None:
     """Time to step N of each real model's ways (log scales): the steps measured, and
     step 1,000 projected from the steady step."""
@@ -625,7 +635,7 @@ def plot_real_models(parts: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = {m: w for m, w in parts.get("real_models", {}).items() if isinstance(w, dict)}
+    models = real_models_of(parts)
     if not models:
         return
     figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
@@ -664,7 +674,7 @@ def markdown(about: dict, parts: dict[str, dict], lines: list[str]) -> str:
 
 def real_table(parts: dict[str, dict]) -> list[str]:
     """The real models' figures, a row per way (the plot beside it: ``*_real.png``)."""
-    models = {m: w for m, w in parts.get("real_models", {}).items() if isinstance(w, dict)}
+    models = real_models_of(parts)
     lines = [
         "",
         "| model | way | first step s | to step 10 s | to step 100 s | to step 1000 s "
