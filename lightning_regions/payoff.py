@@ -185,8 +185,8 @@ class Phase:
     incumbent: str
     challenger: str
     settle: int
-    clock: StepClock
     candidate: Candidate | None = None
+    clock: StepClock | None = None  # made at its first mark, on the job's device
     steps: int = 0
     skips_before: int = 0
     reserved_before: int = 0
@@ -194,16 +194,21 @@ class Phase:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def marks(self) -> int:
+        return 0 if self.clock is None else len(self.clock.marks)
+
+    @property
     def done(self) -> bool:
-        return len(self.clock.marks) == 2 * WINDOW + 1
+        return self.marks == 2 * WINDOW + 1
 
     def next_way(self) -> str:
         """The way of the step that starts now (after the last mark)."""
-        timed = len(self.clock.marks) - 1  # steps timed so far
+        timed = self.marks - 1  # steps timed so far
         return self.challenger if timed % 2 == 0 else self.incumbent
 
     def medians(self) -> tuple[float, float]:
         """The incumbent's and the challenger's median step, in milliseconds."""
+        assert self.clock is not None
         steps = self.clock.milliseconds()
         return statistics.median(steps[1::2]), statistics.median(steps[0::2])
 
@@ -234,23 +239,22 @@ class CompilePayoff:
         tracker = tracker_of(module)
         if self.decision is not None or tracker is None:
             return None
-        device = processes.root_device
         self._module = module
         if not self.phases:
             self.phases = [
-                Phase(COMPILED, EAGER, SETTLE + 1, StepClock(device)),
-                *(
-                    Phase(COMPILED, c.name, CANDIDATE_SETTLE, StepClock(device), c)
-                    for c in self.candidates
-                ),
+                Phase(COMPILED, EAGER, SETTLE + 1),
+                *(Phase(COMPILED, c.name, CANDIDATE_SETTLE, c) for c in self.candidates),
             ]
         phase = next(phase for phase in self.phases if not phase.done)
         phase.steps += 1
-        if phase.steps >= phase.settle:
-            phase.clock.mark()
+        if phase.steps < phase.settle:
+            return None
+        device = processes.root_device
+        if phase.clock is None:
+            phase.clock = StepClock(device)
+        phase.clock.mark()
         if not phase.done:
-            if phase.steps >= phase.settle:
-                use_region_calls(module, phase.next_way())
+            use_region_calls(module, phase.next_way())
             return None
         self._end(phase, device)
         following = [later for later in self.phases if not later.done]

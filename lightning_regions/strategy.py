@@ -262,10 +262,11 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
 
     @override
     def payoff_candidates(self) -> tuple[Candidate, ...]:
+        if not isinstance(self, SingleDeviceStrategy) or self.eager_hooks:
+            return ()  # several processes or an engine's hooks (its device may not be set)
         trainer = self.attached_trainer()
         plain_steps = trainer is not None and trainer.accumulate_grad_batches == 1
-        one_process = isinstance(self, SingleDeviceStrategy) and not self.eager_hooks
-        candidate = cuda_graphs_candidate(self.options, self.root_device, one_process, plain_steps)
+        candidate = cuda_graphs_candidate(self.options, self.root_device, True, plain_steps)
         return () if candidate is None else (candidate,)
 
     @override

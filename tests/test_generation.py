@@ -143,7 +143,10 @@ def test_generating_validation_leaves_training_compiled_and_generates_eagers_tok
     eager_runs, build, granularity, sanity
 ):
     module = Generating(build)
-    strategy = RegionalCompileStrategy(backend="aot_eager", granularity=granularity)
+    # every training step compiled: the keep-or-revert gate's eager turns are off here
+    strategy = RegionalCompileStrategy(
+        backend="aot_eager", granularity=granularity, keep_if_faster=False
+    )
     with warnings.catch_warnings():
         for category in OUR_WARNINGS:
             warnings.simplefilter("error", category)
@@ -163,7 +166,7 @@ def test_generating_validation_leaves_training_compiled_and_generates_eagers_tok
 @pytest.mark.parametrize("sanity", [False, True], ids=["later-validation", "sanity-check"])
 def test_a_fallback_in_validation_is_warned_naming_the_class_phase_and_cause(sanity):
     module = Generating(gpt2, own_loop=True)  # decoding by hand: per-layer cache guards
-    strategy = RegionalCompileStrategy(backend="aot_eager")
+    strategy = RegionalCompileStrategy(backend="aot_eager", keep_if_faster=False)
     with pytest.warns(RegionNotCompiledWarning) as caught:
         train_and_predict(module, strategy, sanity=sanity)
     fallbacks = [str(w.message) for w in caught if "reached dynamo's recompile" in str(w.message)]
@@ -189,7 +192,8 @@ def test_a_fallback_in_predict_is_warned_at_the_end_of_predict():
 
     module = DecodesInPredict(llama)
     with pytest.warns(RegionNotCompiledWarning, match=r"LlamaDecoderLayer .*during predict") as w:
-        train_and_predict(module, RegionalCompileStrategy(backend="aot_eager"), sanity=False)
+        strategy = RegionalCompileStrategy(backend="aot_eager", keep_if_faster=False)
+        train_and_predict(module, strategy, sanity=False)
     (fallback,) = [str(x.message) for x in w if "during predict" in str(x.message)]
     assert "the graphs it has still run" in fallback  # training compiled in fit, before
 
@@ -227,7 +231,9 @@ def test_variable_lengths_under_dynamic_none_recompile_once_then_run_symbolic():
     with warnings.catch_warnings():
         for category in OUR_WARNINGS:
             warnings.simplefilter("error", category)
-        fit_lengths(module, RegionalCompileStrategy(backend="aot_eager"), [16, 24, 32, 20, 28, 12])
+        # compiled through every step: the keep-or-revert gate's eager turns are off here
+        strategy = RegionalCompileStrategy(backend="aot_eager", keep_if_faster=False)
+        fit_lengths(module, strategy, [16, 24, 32, 20, 28, 12])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
     assert module.eager_calls.counts.get("training", 0) == 0
 
