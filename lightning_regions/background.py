@@ -131,7 +131,13 @@ class Child:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         with open(where / LOG, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "lightning_regions.background_child", str(where)],
+                [
+                    sys.executable,
+                    "-m",
+                    "lightning_regions.background_child",
+                    str(where),
+                    str(os.getpid()),  # the child watches this process
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,

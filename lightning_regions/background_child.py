@@ -1,4 +1,4 @@
-"""The background child: ``python -m lightning_regions.background_child FOLDER``.
+"""The background child: ``python -m lightning_regions.background_child FOLDER PARENT``.
 
 It works in rounds, one child for the whole run. Round ``k`` reads
 ``FOLDER/shipment-k.pkl`` (written by the training process, in its own private folder),
@@ -164,9 +164,11 @@ def one_round(where: Path, round: int) -> dict[str, Any]:
     return result
 
 
-def main(folder: str) -> int:
+def main(folder: str, parent: int) -> int:
+    """Compile rounds in ``folder`` until stopped, or until ``parent`` (the training
+    process's pid, passed by it: it may be gone before this process reads its own) is."""
     where = Path(folder)
-    watch_parent(os.getppid())
+    watch_parent(parent)
     for round in itertools.count(1):
         while not shipment_file(where, round).exists():
             time.sleep(POLL_S)
@@ -179,4 +181,4 @@ if __name__ == "__main__":
     # run as the package's module, so that shipped objects' classes are this module's
     from lightning_regions.background_child import main as child_main
 
-    sys.exit(child_main(sys.argv[1]))
+    sys.exit(child_main(sys.argv[1], int(sys.argv[2])))
