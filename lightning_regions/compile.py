@@ -365,15 +365,23 @@ def tracked_compile_kwargs(
     observe_calls: int | None = OBSERVED_CALLS,
 ) -> tuple[RegionTracker, dict[str, Any]]:
     """Swap the backend in ``compile_kwargs`` for a ``RegionTracker`` around it."""
+    kwargs = tracked_backend_kwargs(compile_kwargs, nested=bool(plan.nested))
+    tracker = RegionTracker.start(plan, kwargs["backend"], on_compile_error, observe_calls)
+    return tracker, kwargs
+
+
+def tracked_backend_kwargs(compile_kwargs: dict[str, Any], nested: bool = False) -> dict[str, Any]:
+    """``compile_kwargs`` (``torch.compile``'s) with their backend, mode and options as the
+    process's ``TrackingBackend`` around them (inductor's nested-region options added for
+    a plan with ``nested`` regions)."""
     kwargs = dict(compile_kwargs)
     backend: str | Callable[..., Any] = kwargs.pop("backend", "inductor")
     mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
     validate_compile_arguments(backend, mode, options)
-    if plan.nested and backend == "inductor":
+    if nested and backend == "inductor":
         mode, options = None, inductor_options_for_nested(mode, options)
-    tracking = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
-    kwargs["backend"] = tracking
-    return RegionTracker.start(plan, tracking, on_compile_error, observe_calls), kwargs
+    kwargs["backend"] = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
+    return kwargs
 
 
 def tracker_of(module: nn.Module) -> RegionTracker | None:
@@ -403,15 +411,8 @@ def add_region_calls(module: nn.Module, name: str, compile_kwargs: dict[str, Any
     (``torch.compile``'s), for training calls, and keep the result beside its compiled
     call as ``name``, to be put in place by ``use_region_calls``. Nothing compiles before
     a region runs it; calls outside training keep the first compiled call."""
-    tracker = tracker_of(module)
-    if tracker is None:
-        raise ValueError(f"{type(module).__name__} has no regions compiled in place.")
-    kwargs = dict(compile_kwargs)
-    backend = kwargs.pop("backend", "inductor")
-    mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
-    validate_compile_arguments(backend, mode, options)
-    kwargs["backend"] = tracking_backend(backend, mode, options, kwargs.get("dynamic"))
-    for observer in tracker.observers:
+    kwargs = tracked_backend_kwargs(compile_kwargs)
+    for observer in _compiled_in_place(module).observers:
         call = observer.call
         if isinstance(call, CompiledForward):
             again = torch.compile(_uncompiled(call.compiled), **kwargs)
@@ -420,6 +421,14 @@ def add_region_calls(module: nn.Module, name: str, compile_kwargs: dict[str, Any
             again = torch.compile(_uncompiled(call), **kwargs)
             alternative = WhileTraining(again, call)
         observer.alternatives[name] = alternative
+
+
+def _compiled_in_place(module: nn.Module) -> RegionTracker:
+    """The tracker of ``module``'s regions compiled in place; ``ValueError`` if none."""
+    tracker = tracker_of(module)
+    if tracker is None:
+        raise ValueError(f"{type(module).__name__} has no regions compiled in place.")
+    return tracker
 
 
 def _uncompiled(compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -433,10 +442,7 @@ def use_region_calls(module: nn.Module, name: str) -> None:
     or a name given to ``add_region_calls``. In place: parameters, hooks and
     ``state_dict`` keys are untouched, and a call already compiled compiles nothing
     again. Ends their observation."""
-    tracker = tracker_of(module)
-    if tracker is None:
-        raise ValueError(f"{type(module).__name__} has no regions compiled in place.")
-    for observer in tracker.observers:
+    for observer in _compiled_in_place(module).observers:
         observer.end()
         if name == COMPILED:
             observer.slot[observer.key] = observer.call
