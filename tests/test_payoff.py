@@ -4,6 +4,7 @@ training as eager would, with the tie, the parameters, the optimizer and the key
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import SlowAotEager, data, gpt, trainer
@@ -102,30 +103,36 @@ class PointwiseStack(nn.Module):
         return x
 
 
-@pytest.mark.inductor
-def test_a_clearly_faster_compile_is_kept(tmp_path):
-    import lightning.pytorch as pl
+class PointwiseModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = PointwiseStack()
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = PointwiseStack()
+    def training_step(self, batch, batch_idx):
+        return self.model(batch).square().mean()
 
-        def training_step(self, batch, batch_idx):
-            return self.model(batch).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
 
+def fit_on_one_thread(tmp_path, strategy, steps: int) -> PointwiseModule:
+    """``steps`` steps of ``PointwiseModule`` on one intra-op thread (one core: no OpenMP
+    barrier in a tiny kernel beside a busy one)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core: no OpenMP barrier in a tiny kernel beside a busy one
-    strategy = RegionalCompileStrategy()
-    batches = torch.utils.data.DataLoader(torch.randn(STEPS * 64, 64), batch_size=64)
-    module = Module()
+    torch.set_num_threads(1)
+    batches = torch.utils.data.DataLoader(torch.randn(steps * 64, 64), batch_size=64)
+    module = PointwiseModule()
     try:
-        trainer(tmp_path, strategy, STEPS).fit(module, batches)
+        trainer(tmp_path, strategy, steps).fit(module, batches)
     finally:
         torch.set_num_threads(threads)
+    return module
+
+
+@pytest.mark.inductor
+def test_a_clearly_faster_compile_is_kept(tmp_path):
+    strategy = RegionalCompileStrategy()
+    module = fit_on_one_thread(tmp_path, strategy, STEPS)
     decision = strategy.payoff.decision
     assert decision is not None and decision.kept, decision
     assert decision.compiled_ms < 0.8 * decision.eager_ms, decision
@@ -160,31 +167,11 @@ def test_cuda_graphs_that_inductor_skipped_do_not_count_and_a_faster_candidate_i
     """On this CPU inductor skips CUDA graphs (``cudagraph_skips``): that candidate is
     timed and named, but never chosen; plain inductor, faster than a slowed inductor and
     than eager, is."""
-    import lightning.pytorch as pl
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = PointwiseStack()
-
-        def training_step(self, batch, batch_idx):
-            return self.model(batch).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
     cuda_graphs = Candidate(CUDA_GRAPHS, {"backend": "inductor", "mode": "reduce-overhead"}, True)
     fast = Candidate("inductor", {"backend": "inductor"})
     strategy = WithCandidates((cuda_graphs, fast), backend=SlowAotEager(backend="inductor"))
     steps = WITH_A_CANDIDATE + CANDIDATE_SETTLE + 2 * WINDOW + 2
-    batches = torch.utils.data.DataLoader(torch.randn(steps * 64, 64), batch_size=64)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    module = Module()
-    try:
-        trainer(tmp_path, strategy, steps).fit(module, batches)
-    finally:
-        torch.set_num_threads(threads)
+    module = fit_on_one_thread(tmp_path, strategy, steps)
     decision = strategy.payoff.decision
     skipped, timed = decision.candidates
     assert not skipped.counts and "inductor skipped CUDA graphs" in skipped.note, decision
