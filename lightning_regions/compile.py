@@ -389,8 +389,9 @@ def tracker_of(module: nn.Module) -> RegionTracker | None:
     return module.__dict__.get(TRACKER_ATTRIBUTE)
 
 
-#: The names of a region's own ways to run, beside the calls ``add_region_calls`` adds.
-COMPILED, EAGER = "compiled", "eager"
+#: The names of a region's own ways to run, beside the calls ``add_region_calls`` adds:
+#: its compiled call, eager, and eager for training calls alone (the others compiled).
+COMPILED, EAGER, EAGER_WHILE_TRAINING = "compiled", "eager", "eager while training"
 
 
 class WhileTraining:
@@ -413,14 +414,18 @@ def add_region_calls(module: nn.Module, name: str, compile_kwargs: dict[str, Any
     a region runs it; calls outside training keep the first compiled call."""
     kwargs = tracked_backend_kwargs(compile_kwargs)
     for observer in _compiled_in_place(module).observers:
-        call = observer.call
-        if isinstance(call, CompiledForward):
-            again = torch.compile(_uncompiled(call.compiled), **kwargs)
-            alternative: Any = CompiledForward(call.module, WhileTraining(again, call.compiled))
-        else:
-            again = torch.compile(_uncompiled(call), **kwargs)
-            alternative = WhileTraining(again, call)
-        observer.alternatives[name] = alternative
+        observer.alternatives[name] = _for_training(
+            observer.call, lambda entry: torch.compile(entry, **kwargs)
+        )
+
+
+def _for_training(call: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+    """A region's call that runs ``make(entry)`` for training calls, where ``entry`` is
+    what its compiled ``call`` compiled, and ``call`` for the others."""
+    if isinstance(call, CompiledForward):
+        training = make(_uncompiled(call.compiled))
+        return CompiledForward(call.module, WhileTraining(training, call.compiled))
+    return WhileTraining(make(_uncompiled(call)), call)
 
 
 def _compiled_in_place(module: nn.Module) -> RegionTracker:
@@ -438,14 +443,17 @@ def _uncompiled(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
 def use_region_calls(module: nn.Module, name: str) -> None:
     """Run the regions ``compile_regions(module, inplace=True)`` compiled by ``name``:
-    ``"compiled"`` (their compiled calls), ``"eager"`` (each compiled call set aside)
-    or a name given to ``add_region_calls``. In place: parameters, hooks and
-    ``state_dict`` keys are untouched, and a call already compiled compiles nothing
-    again. Ends their observation."""
+    ``"compiled"`` (their compiled calls), ``"eager"`` (each compiled call set aside),
+    ``"eager while training"`` (eager where autograd records, compiled elsewhere) or a
+    name given to ``add_region_calls``. In place: parameters, hooks and ``state_dict``
+    keys are untouched, and a call already compiled compiles nothing again. Ends their
+    observation."""
     for observer in _compiled_in_place(module).observers:
         observer.end()
         if name == COMPILED:
             observer.slot[observer.key] = observer.call
+        elif name == EAGER_WHILE_TRAINING:
+            observer.slot[observer.key] = _for_training(observer.call, lambda entry: entry)
         elif name != EAGER:
             observer.slot[observer.key] = observer.alternatives[name]
         elif observer.key == FORWARD:  # a compiled forward (eager_hooks): the class's again

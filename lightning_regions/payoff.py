@@ -7,8 +7,10 @@ first step, the background mode's first step after its switch):
 
 - **compiled against eager**: ``SETTLE + 1`` compiled steps settle untimed (the first
   compiles; a last recompile, the allocator settling); then ``2 * WINDOW`` steps are timed,
-  eager and compiled in turn, one step each (the regions' compiled calls set aside and
-  put back in place: ``compile.use_region_calls``; nothing recompiles);
+  eager and compiled in turn, one step each (the regions' compiled calls set aside for
+  training calls and put back in place: ``compile.use_region_calls``; nothing
+  recompiles; validation and generation stay compiled, so a loop that stops mid-turn,
+  a Fabric loop of fewer steps say, evaluates compiled);
 - **each candidate against compiled** (``Candidate``): the regions compiled again its way,
   for training calls (validation and generation keep the first compiled calls);
   ``CANDIDATE_SETTLE`` steps run it untimed (its compile, CUDA graphs' warm-up and
@@ -53,7 +55,14 @@ from typing import Any, Protocol
 import torch
 
 from .compat import cudagraph_skips
-from .compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
+from .compile import (
+    COMPILED,
+    EAGER,
+    EAGER_WHILE_TRAINING,
+    add_region_calls,
+    tracker_of,
+    use_region_calls,
+)
 from .options import RegionalOptions
 
 #: Compiled steps not timed after the first compiled one.
@@ -254,7 +263,8 @@ class CompilePayoff:
             phase.clock = StepClock(device)
         phase.clock.mark()
         if not phase.done:
-            use_region_calls(module, phase.next_way())
+            way = phase.next_way()
+            use_region_calls(module, EAGER_WHILE_TRAINING if way == EAGER else way)
             return None
         self._end(phase, device)
         following = [later for later in self.phases if not later.done]

@@ -377,11 +377,7 @@ def test_transformers_decoders_at_depth_12_nest_every_layer_and_train_as_plain(t
 
 
 def test_a_fabric_loop_with_nested_granularity_equals_plain_fabric():
-    # the gate off: Fabric has no teardown, so a loop that ends mid-turn keeps that turn's
-    # way (docs/diagnosis.md); this test is about nesting
-    strategy = regional_fabric.RegionalCompileStrategy(
-        backend="aot_eager", granularity="nested", keep_if_faster=False
-    )
+    strategy = regional_fabric.RegionalCompileStrategy(backend="aot_eager", granularity="nested")
     model, losses = train(Fabric(accelerator="cpu", devices=1, strategy=strategy), steps=3)
     plain_model, plain_losses = train(Fabric(accelerator="cpu", devices=1), steps=3)
     assert losses == pytest.approx(plain_losses, rel=1e-5)

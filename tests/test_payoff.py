@@ -67,7 +67,8 @@ def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path):
     model = gpt()
     trainer(tmp_path, early, SETTLE + 1).fit(model, data())  # ends as the eager turn is set
     assert early.payoff.decision is None
-    assert all(block._compiled_call_impl is not None for block in blocks(model))
+    calls = [block._compiled_call_impl for block in blocks(model)]  # the Trainer's teardown
+    assert all(call is not None and not isinstance(call, WhileTraining) for call in calls)
     off = RegionalCompileStrategy(backend=SlowAotEager(), keep_if_faster=False)
     model = gpt()
     trainer(tmp_path, off, STEPS).fit(model, data())
@@ -230,7 +231,8 @@ def test_region_calls_switch_in_place_and_a_candidate_serves_training_calls_only
     add_region_calls(model, "candidate", {"backend": counting("candidate")})
     x = torch.randn(4, 8)
     compiled_by_then = []
-    for name in ("compiled", "candidate", "eager", "candidate", "compiled"):
+    ways = ("compiled", "candidate", "eager", "eager while training", "candidate", "compiled")
+    for name in ways:
         use_region_calls(model, name)
         torch.testing.assert_close(model(x), eager(x))
         with torch.no_grad():
@@ -242,3 +244,38 @@ def test_region_calls_switch_in_place_and_a_candidate_serves_training_calls_only
     assert list(model.state_dict()) == keys
     with pytest.raises(KeyError):
         use_region_calls(model, "never added")
+
+
+def test_a_fabric_loop_that_stops_mid_turn_evaluates_compiled_and_trains_as_plain():
+    """Fabric has no teardown to end the timing: a loop that stops as the gate's eager
+    turn is set leaves the regions eager for training calls only; an evaluation after it
+    runs compiled, and the model equals plain Fabric's."""
+    from lightning.fabric import Fabric
+
+    import lightning_regions.fabric as regional_fabric
+    from examples.fabric_gpt import train
+
+    ran: list[bool] = []  # whether grad was on, for each call of a compiled graph
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            ran.append(torch.is_grad_enabled())
+            return gm(*args)
+
+        return run
+
+    strategy = regional_fabric.RegionalCompileStrategy(backend=counting)
+    model, losses = train(Fabric(accelerator="cpu", devices=1, strategy=strategy), SETTLE + 1)
+    plain, plain_losses = train(Fabric(accelerator="cpu", devices=1), SETTLE + 1)
+    assert strategy.payoff.decision is None and losses == pytest.approx(plain_losses, rel=1e-5)
+    gpt_ = model.module
+    idx = torch.randint(0, gpt_.config.vocab_size, (2, 16))
+    ran.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(gpt_(idx), plain.module(idx))
+    assert ran and not any(ran)  # every region compiled
+    ran.clear()
+    torch.testing.assert_close(gpt_(idx), plain.module(idx))
+    assert ran == []  # the eager turn: training calls eager
+    for (name, p), q in zip(gpt_.named_parameters(), plain.module.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
