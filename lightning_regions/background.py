@@ -92,6 +92,25 @@ CallKey = tuple[int, CallKind, int]
 #: with the default, +0 MiB and a 44 MiB lower peak with this one
 #: (``benchmarks/results/memory.md``).
 CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+#: The child's CPU niceness, Unix's lowest priority, inherited by its compile workers and
+#: compilers: training's threads always run first, and the child compiles on the cores
+#: they leave idle instead of taking a share of theirs.
+CHILD_NICENESS = 19
+
+
+def kept_threads(threads: int) -> int:
+    """The intra-op threads a process with ``threads`` keeps while its child compiles."""
+    return max(1, threads // 2)
+
+
+def lent_threads(threads: int) -> int:
+    """The cores the child's parallel work may use at once, beside a process with
+    ``threads`` intra-op threads: those it does not keep, at least one. The child's own
+    intra-op thread count stays ``threads`` (``Shipment.threads``), the count inductor's
+    cache key holds; the limit keeps each of its parallel ops from waiting for a thread
+    on a core that training holds (``OMP_THREAD_LIMIT``: with 2 threads beside a
+    one-thread training process, the child's compile took 64 s instead of 32)."""
+    return max(1, threads - kept_threads(threads))
 
 
 class BackgroundCompileWarning(UserWarning):
@@ -123,11 +142,13 @@ class Child:
     started: float = field(default_factory=time.perf_counter)  # the round's start
 
     @classmethod
-    def start(cls, shipment: bytes) -> Child:
+    def start(cls, shipment: bytes, threads: int) -> Child:
+        """Start the child on its first round; ``threads``: the cores its parallel work
+        may use at once (``OMP_THREAD_LIMIT``, unless the user set it)."""
         folder = tempfile.TemporaryDirectory(prefix="lightning_regions_background_")
         where = Path(folder.name)
         write_whole(shipment_file(where, 1), shipment)
-        env = {**CHILD_MALLOC, **os.environ}
+        env = {**CHILD_MALLOC, "OMP_THREAD_LIMIT": str(threads), **os.environ}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         with open(where / LOG, "wb") as log:
             process = subprocess.Popen(
@@ -142,6 +163,8 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
+        if hasattr(os, "setpriority"):  # Unix
+            os.setpriority(os.PRIO_PROCESS, process.pid, CHILD_NICENESS)
         return cls(folder, process)
 
     def ship(self, shipment: bytes) -> None:
@@ -237,6 +260,7 @@ class BackgroundCompile:
         self.child_seconds: float | None = None
         #: The highest peak resident memory of this process's children, in MiB.
         self.child_peak_rss_mb: float | None = None
+        self.child_threads: int | None = None  # the intra-op threads it compiled for
         self.outcome: Outcome | None = None
         self.steps_eager = 0  # optimizer steps that ran before the switch
         self.switched = False
@@ -333,6 +357,7 @@ class BackgroundCompile:
             if "peak_rss_mb" in done:
                 peak = float(done["peak_rss_mb"])
                 self.child_peak_rss_mb = max(peak, self.child_peak_rss_mb or 0.0)
+            self.child_threads = done.get("threads", self.child_threads)
             if not done.get("ok"):
                 self.failure = str(done.get("error"))
                 return True
@@ -357,7 +382,9 @@ class BackgroundCompile:
             for key, call in self.calls.items()
             if key[0] in place
         ]
-        return Shipment(list(copies.values()), calls, self.recipe) if calls else None
+        if not calls:
+            return None
+        return Shipment(list(copies.values()), calls, self.recipe, self._all_threads())
 
     def _ship(self) -> bool:
         """Give the child (started now if none runs) a round of every call recorded so
@@ -374,13 +401,18 @@ class BackgroundCompile:
             self.failure = str(error)
             return False
         if self.child is None:
-            self.child = Child.start(payload)
+            self.child = Child.start(payload, threads=lent_threads(self._all_threads()))
             self.pids.append(self.child.process.pid)
         else:
             self.child.ship(payload)
         self.rounds += 1
         self._share_cores()
         return True
+
+    def _all_threads(self) -> int:
+        """This process's intra-op threads when no child compiles: the count its compiled
+        kernels are made for, and that inductor's cache key holds."""
+        return torch.get_num_threads() if self._threads_lent is None else self._threads_lent
 
     def _share_cores(self) -> None:
         """While the job's child compiles, this process runs its eager steps on half its
@@ -389,10 +421,11 @@ class BackgroundCompile:
         (``benchmarks/results/background_compile.md``, before and after). Every process
         of the job does so until the switch: the steps go in lockstep at the pace of
         rank 0, whose eager steps share its cores with the child, and a rank beside the
-        child on one node would take its cores too (``multi_node.md``)."""
+        child on one node would take its cores too (``multi_node.md``). The child runs
+        on the other half (``lent_threads``), at the lowest priority."""
         if self._threads_lent is None:
             self._threads_lent = torch.get_num_threads()
-            torch.set_num_threads(max(1, self._threads_lent // 2))
+            torch.set_num_threads(kept_threads(self._threads_lent))
 
     def _end_child(self) -> None:
         """Stop the child, if any, and give this process its threads back."""

@@ -9,12 +9,18 @@ everything it compiled in all its rounds (``torch.compiler.save_cache_artifacts`
 ``FOLDER/artifacts.bin`` for the job's other processes, with the paths of the C++ kernel
 files it loaded and of torch's instruction-set probes (``cache.kernel_files_to_ship``)
 in ``FOLDER/kernels.json``, and last ``FOLDER/result-k.json``: ``{"ok": true,
-"seconds": ..., "peak_rss_mb": ...}`` (its own peak resident memory), or ``{"ok":
+"seconds": ..., "peak_rss_mb": ..., "threads": ...}`` (its own peak resident memory,
+the intra-op threads it compiled for), or ``{"ok":
 false, "error": ...}``: failures are reported as data, as torch's compile workers do.
 Then it waits for round ``k + 1``: calls recorded while it compiled (an epoch's smaller
 last batch, a first validation) are compiled by the same child, which saves a second
 start of Python and torch and keeps one child's memory in the run. It exits when the
 training process stops it or is gone.
+
+The training process starts it at the lowest CPU priority, with its parallel work
+limited to the threads training lends it (``background.lent_threads``); it compiles for the
+training process's own intra-op thread count (``Shipment.threads``), the count inductor's
+cache key holds.
 
 One region's weights and activations exist at a time, each made on the device of its
 recorded call just before the call and freed after it: the child never holds a copy of
@@ -82,6 +88,7 @@ def replay(region: nn.Module, call: RegionCall) -> None:
 def compile_shipment(shipment: Shipment) -> dict[str, Any]:
     """Compile and replay everything ``shipment`` holds, into torch's caches."""
     shipment.recipe.enter_settings()
+    torch.set_num_threads(shipment.threads)  # the training process's: the cache key's
     holder = nn.Module()
     holder.regions = nn.ModuleList(shipment.regions)
     plan = find_regions(holder, [f"regions.{index}" for index in range(len(shipment.regions))])
@@ -160,6 +167,7 @@ def one_round(where: Path, round: int) -> dict[str, Any]:
     except BaseException as error:  # every failure goes back to the training process
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
     result["peak_rss_mb"] = peak_rss_mb()
+    result["threads"] = torch.get_num_threads()  # the count its kernels were made for
     write_whole(result_file(where, round), json.dumps(result).encode())
     return result
 

@@ -268,6 +268,9 @@ class Shipment:
     regions: list[nn.Module]  # on meta, in the plan's order
     calls: list[RegionCall]
     recipe: Any  # recipe.CompileRecipe
+    #: The training process's intra-op threads after the switch: CPU kernels are made
+    #: for that count, and inductor's cache key holds it.
+    threads: int
 
 
 def pack(shipment: Shipment) -> bytes:

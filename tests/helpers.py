@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -115,6 +116,8 @@ class WaitForTheSwitch(pl.Callback):
         #: torch's intra-op threads at the end of steps "before the switch" (the job's
         #: child compiled) and "after" it
         self.threads: dict[str, set[int]] = {"before the switch": set(), "after": set()}
+        #: the child's niceness and OMP_THREAD_LIMIT, read while it compiled
+        self.child: dict[str, object] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         from lightning_regions.compat import cache_counts
@@ -126,6 +129,14 @@ class WaitForTheSwitch(pl.Callback):
         when = "after" if background.switched else "before the switch"
         self.threads[when].add(torch.get_num_threads())
         if not background.switched:
+            process = background.process
+            if process is not None and not self.child and process.poll() is None:
+                environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+                limit = [v for v in environ if v.startswith(b"OMP_THREAD_LIMIT=")]
+                self.child = {
+                    "niceness": os.getpriority(os.PRIO_PROCESS, process.pid),
+                    "OMP_THREAD_LIMIT": limit[0].split(b"=")[1].decode() if limit else None,
+                }
             time.sleep(self.seconds)
             return
         if self.switch_step is None:  # switched in this step's optimizer step

@@ -25,7 +25,7 @@ from lightning_regions import (
     RegionalCompileStrategy,
     region_report,
 )
-from lightning_regions.background import BackgroundCompileWarning
+from lightning_regions.background import CHILD_NICENESS, BackgroundCompileWarning, lent_threads
 
 #: The most steps a run that waits for the switch may take; it stops 3 steps after it.
 STEPS = 1000
@@ -42,6 +42,11 @@ def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStr
     # half the intra-op threads while a child compiles beside the eager steps, then all
     assert wait.threads == {"before the switch": {max(1, threads // 2)}, "after": {threads}}
     assert torch.get_num_threads() == threads
+    # the child: lowest priority, its parallel work on the threads lent, its kernels made
+    # for all of the training process's threads (inductor's cache key holds the count)
+    lent = str(lent_threads(threads))
+    assert wait.child == {"niceness": CHILD_NICENESS, "OMP_THREAD_LIMIT": lent}
+    assert strategy.background.child_threads == threads
     assert strategy.background.process is None
     return strategy
 
@@ -62,6 +67,18 @@ def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
     report = region_report(ours)
     assert not report.ran_eager and all(row.compiled_calls for row in report.rows)
     assert ours.model.blocks[0]._compiled_call_impl is not None
+
+
+def test_the_child_compiles_for_the_training_processs_own_thread_count(tmp_path):
+    """One intra-op thread in the training process (the user's ``set_num_threads(1)``),
+    where a new process would take one per core: the child compiles for one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        strategy = fit_both(tmp_path, *twins())
+    finally:
+        torch.set_num_threads(threads)
+    assert strategy.background.child_threads == 1 and strategy.background.switched
 
 
 def test_the_child_reports_its_own_peak_memory_not_its_parents():
