@@ -23,6 +23,7 @@ from lightning.fabric.strategies import Strategy as FabricStrategy
 from torch import nn
 from typing_extensions import override
 
+from .compile import EAGER_WHILE_TRAINING
 from .options import takes_options
 from .strategy import RegionalCompileBase
 
@@ -39,6 +40,9 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
 
     _module: nn.Module | None = None
     excluded_options = FABRIC_EXCLUDED
+    #: Fabric has no teardown at the end of a loop: the gate's eager turns run training
+    #: calls alone eager, so a loop that stops mid-turn evaluates compiled.
+    EAGER_TURN = EAGER_WHILE_TRAINING
 
     @override
     def setup_module(self, module: nn.Module) -> Any:

@@ -7,10 +7,10 @@ first step, the background mode's first step after its switch):
 
 - **compiled against eager**: ``SETTLE + 1`` compiled steps settle untimed (the first
   compiles; a last recompile, the allocator settling); then ``2 * WINDOW`` steps are timed,
-  eager and compiled in turn, one step each (the regions' compiled calls set aside for
-  training calls and put back in place: ``compile.use_region_calls``; nothing
-  recompiles; validation and generation stay compiled, so a loop that stops mid-turn,
-  a Fabric loop of fewer steps say, evaluates compiled);
+  eager and compiled in turn, one step each (the regions' compiled calls set aside and
+  put back in place: ``compile.use_region_calls``; nothing recompiles; in Fabric's loops,
+  which have no teardown to end the timing, set aside for training calls alone, so a
+  loop that stops mid-turn evaluates compiled);
 - **each candidate against compiled** (``Candidate``): the regions compiled again its way,
   for training calls (validation and generation keep the first compiled calls);
   ``CANDIDATE_SETTLE`` steps run it untimed (its compile, CUDA graphs' warm-up and
@@ -55,14 +55,7 @@ from typing import Any, Protocol
 import torch
 
 from .compat import cudagraph_skips
-from .compile import (
-    COMPILED,
-    EAGER,
-    EAGER_WHILE_TRAINING,
-    add_region_calls,
-    tracker_of,
-    use_region_calls,
-)
+from .compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
 from .options import RegionalOptions
 
 #: Compiled steps not timed after the first compiled one.
@@ -228,8 +221,13 @@ class CompilePayoff:
     every optimizer step from the first compiled one on; it returns the decision once,
     when made."""
 
-    def __init__(self, candidates: tuple[Candidate, ...] = ()) -> None:
+    def __init__(self, candidates: tuple[Candidate, ...] = (), eager_turn: str = EAGER) -> None:
+        """``eager_turn``: what an eager turn runs, ``compile.EAGER`` (every call eager:
+        the Trainer's, whose teardown ends the timing) or ``compile.EAGER_WHILE_TRAINING``
+        (Fabric's: calls outside training stay compiled, as after a loop that stopped
+        mid-turn; a ``no_grad`` call inside a training step stays compiled in the turn)."""
         self.candidates = candidates
+        self.eager_turn = eager_turn
         self.phases: list[Phase] = []  # made at the first boundary, on the device
         self.decision: PayoffDecision | None = None
         self.cuda_graphs = False  # whether the regions' training calls may be CUDA graphs
@@ -264,7 +262,7 @@ class CompilePayoff:
         phase.clock.mark()
         if not phase.done:
             way = phase.next_way()
-            use_region_calls(module, EAGER_WHILE_TRAINING if way == EAGER else way)
+            use_region_calls(module, self.eager_turn if way == EAGER else way)
             return None
         self._end(phase, device)
         following = [later for later in self.phases if not later.done]

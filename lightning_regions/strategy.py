@@ -27,7 +27,7 @@ from typing_extensions import override
 from .background import BackgroundCompile
 from .cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
 from .compat import OptimizedModule, compiled_by_torch_compile_context, compiled_call
-from .compile import tracker_of
+from .compile import EAGER, tracker_of
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
 from .options import RegionalOptions, split_options, takes_options
@@ -56,6 +56,10 @@ class RegionalCompileBase:
     #: Whether the engine's hooks on each region run eager, outside its compiled forward
     #: (``compile_regions(eager_hooks=True)``; DeepSpeed's strategy sets it).
     eager_hooks = False
+    #: What the keep-or-revert gate's eager turns run (``payoff.CompilePayoff``): every
+    #: call eager; the Trainer's teardown puts the compiled calls back after a run that
+    #: stopped mid-turn.
+    EAGER_TURN = EAGER
 
     def __init__(self, **kwargs: Any) -> None:
         """The regional options and the Lightning strategy's own arguments, all
@@ -182,7 +186,7 @@ class RegionalCompileBase:
         rank_zero_info(f"{region_report(module)}")
         self.reporter.enter()
         pays = self.options.keep_if_faster and self.trains_here()
-        self.payoff = CompilePayoff(self.payoff_candidates()) if pays else None
+        self.payoff = CompilePayoff(self.payoff_candidates(), self.EAGER_TURN) if pays else None
 
     def payoff_candidates(self) -> tuple[Candidate, ...]:
         """The ways besides compiled and eager that ``keep_if_faster`` times: none here
