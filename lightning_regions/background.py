@@ -92,10 +92,6 @@ CallKey = tuple[int, CallKind, int]
 #: with the default, +0 MiB and a 44 MiB lower peak with this one
 #: (``benchmarks/results/memory.md``).
 CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
-#: The child's CPU niceness, Unix's lowest priority, inherited by its compile workers and
-#: compilers: training's threads always run first, and the child compiles on the cores
-#: they leave idle instead of taking a share of theirs.
-CHILD_NICENESS = 19
 
 
 def kept_threads(threads: int) -> int:
@@ -109,7 +105,9 @@ def lent_threads(threads: int) -> int:
     intra-op thread count stays ``threads`` (``Shipment.threads``), the count inductor's
     cache key holds; the limit keeps each of its parallel ops from waiting for a thread
     on a core that training holds (``OMP_THREAD_LIMIT``: with 2 threads beside a
-    one-thread training process, the child's compile took 64 s instead of 32)."""
+    one-thread training process and at the lowest CPU priority, the child's compile took
+    64 s instead of 32). The child keeps the normal priority: at the lowest, a machine
+    busy with other work starves it (``docs/background.md``)."""
     return max(1, threads - kept_threads(threads))
 
 
@@ -163,8 +161,6 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        if hasattr(os, "setpriority"):  # Unix
-            os.setpriority(os.PRIO_PROCESS, process.pid, CHILD_NICENESS)
         return cls(folder, process)
 
     def ship(self, shipment: bytes) -> None:
@@ -421,8 +417,8 @@ class BackgroundCompile:
         (``benchmarks/results/background_compile.md``, before and after). Every process
         of the job does so until the switch: the steps go in lockstep at the pace of
         rank 0, whose eager steps share its cores with the child, and a rank beside the
-        child on one node would take its cores too (``multi_node.md``). The child runs
-        on the other half (``lent_threads``), at the lowest priority."""
+        child on one node would take its cores too (``multi_node.md``). The child's
+        parallel work runs on the other half (``lent_threads``)."""
         if self._threads_lent is None:
             self._threads_lent = torch.get_num_threads()
             torch.set_num_threads(kept_threads(self._threads_lent))

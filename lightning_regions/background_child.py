@@ -17,8 +17,8 @@ last batch, a first validation) are compiled by the same child, which saves a se
 start of Python and torch and keeps one child's memory in the run. It exits when the
 training process stops it or is gone.
 
-The training process starts it at the lowest CPU priority, with its parallel work
-limited to the threads training lends it (``background.lent_threads``); it compiles for the
+The training process starts it with its parallel work limited to the threads training
+lends it (``background.lent_threads``); it compiles for the
 training process's own intra-op thread count (``Shipment.threads``), the count inductor's
 cache key holds.
 

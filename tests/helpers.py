@@ -116,7 +116,7 @@ class WaitForTheSwitch(pl.Callback):
         #: torch's intra-op threads at the end of steps "before the switch" (the job's
         #: child compiled) and "after" it
         self.threads: dict[str, set[int]] = {"before the switch": set(), "after": set()}
-        #: the child's niceness and OMP_THREAD_LIMIT, read while it compiled
+        #: the child's OMP_THREAD_LIMIT, read while it compiled
         self.child: dict[str, object] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
@@ -130,11 +130,13 @@ class WaitForTheSwitch(pl.Callback):
         self.threads[when].add(torch.get_num_threads())
         if not background.switched:
             process = background.process
+            environ = b""
             if process is not None and not self.child and process.poll() is None:
-                environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
-                limit = [v for v in environ if v.startswith(b"OMP_THREAD_LIMIT=")]
+                # empty while exec sets up the new process's stack: read at a later step
+                environ = Path(f"/proc/{process.pid}/environ").read_bytes()
+            if environ:
+                limit = [v for v in environ.split(b"\0") if v.startswith(b"OMP_THREAD_LIMIT=")]
                 self.child = {
-                    "niceness": os.getpriority(os.PRIO_PROCESS, process.pid),
                     "OMP_THREAD_LIMIT": limit[0].split(b"=")[1].decode() if limit else None,
                 }
             time.sleep(self.seconds)

@@ -25,7 +25,7 @@ from lightning_regions import (
     RegionalCompileStrategy,
     region_report,
 )
-from lightning_regions.background import CHILD_NICENESS, BackgroundCompileWarning, lent_threads
+from lightning_regions.background import BackgroundCompileWarning, lent_threads
 
 #: The most steps a run that waits for the switch may take; it stops 3 steps after it.
 STEPS = 1000
@@ -42,10 +42,9 @@ def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStr
     # half the intra-op threads while a child compiles beside the eager steps, then all
     assert wait.threads == {"before the switch": {max(1, threads // 2)}, "after": {threads}}
     assert torch.get_num_threads() == threads
-    # the child: lowest priority, its parallel work on the threads lent, its kernels made
-    # for all of the training process's threads (inductor's cache key holds the count)
-    lent = str(lent_threads(threads))
-    assert wait.child == {"niceness": CHILD_NICENESS, "OMP_THREAD_LIMIT": lent}
+    # the child: its parallel work on the threads lent, its kernels made for all of the
+    # training process's threads (inductor's cache key holds the count)
+    assert wait.child == {"OMP_THREAD_LIMIT": str(lent_threads(threads))}
     assert strategy.background.child_threads == threads
     assert strategy.background.process is None
     return strategy
