@@ -11,6 +11,7 @@ ratios come from ``benchmarks/steady_step.py`` (the protocol of ``protocol.py``)
     python benchmarks/compile_time.py                      # depths 2 4 8 16, 3 repeats
     python benchmarks/compile_time.py --depths 4 --repeats 1 --variants whole regional_inplace
     python benchmarks/compile_time.py --device cuda              # on a GPU (triton kernels)
+    python benchmarks/compile_time.py --backend aot_eager        # dynamo and AOT alone
 
 Writes ``compile_time.json``, ``compile_time.md`` and ``compile_time.png`` to ``--out``.
 """
@@ -49,8 +50,9 @@ TIMED_STEPS = 10
 CUDA_GRAPH_VARIANTS = ("whole_cudagraphs", "regional_cudagraphs")
 
 
-def build(variant: str, depth: int, width: int, device: str = "cpu"):
-    """The model for ``variant`` on ``device``, ready to be called."""
+def build(variant: str, depth: int, width: int, device: str = "cpu", backend: str = "inductor"):
+    """The model for ``variant`` on ``device``, ready to be called; every compiled variant
+    uses ``backend`` (``aot_eager`` times dynamo and AOT autograd without inductor)."""
     import torch
 
     from examples.tiny_gpt import GPTConfig, TinyGPT
@@ -60,7 +62,7 @@ def build(variant: str, depth: int, width: int, device: str = "cpu"):
     config = GPTConfig(vocab_size=65, block_size=128, n_layer=depth, n_head=4, n_embd=width)
     model = TinyGPT(config).to(device)
     if variant == "whole":
-        return torch.compile(model)
+        return torch.compile(model, backend=backend)
     if variant == "whole_cudagraphs":
         return torch.compile(model, mode="reduce-overhead")
     if variant == "regional_cudagraphs":
@@ -70,18 +72,18 @@ def build(variant: str, depth: int, width: int, device: str = "cpu"):
 
         del model._modules["layers"]  # accelerate drops the alias; keep forward working
         model.layers = list(model.blocks)
-        return accelerate_compile_regions(model)
+        return accelerate_compile_regions(model, backend=backend)
     if variant == "regional_out_of_place":
-        return compile_regions(model)
+        return compile_regions(model, backend=backend)
     if variant == "regional_inplace":
-        return compile_regions(model, inplace=True)
+        return compile_regions(model, inplace=True, backend=backend)
     if variant == "nested":
-        return compile_regions(model, inplace=True, granularity="nested")
+        return compile_regions(model, inplace=True, granularity="nested", backend=backend)
     if variant == "torch_nested":  # torch's decorator on the block class, by hand
         marked = torch_nested_block()
         for block in model.blocks:  # a subclass for this model: other models keep theirs
             block.__class__ = marked
-        return torch.compile(model)
+        return torch.compile(model, backend=backend)
     return model
 
 
@@ -139,7 +141,9 @@ def cold_start_phases() -> dict:
     }
 
 
-def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict:
+def run_child(
+    variant: str, depth: int, width: int, device: str = "cpu", backend: str = "inductor"
+) -> dict:
     import torch
 
     # inductor's compile entry and what it imports (about 1 s): ``torch.compile(model)``
@@ -148,7 +152,7 @@ def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict
     # it is out of every variant's first step alike.
     import torch._inductor.compile_fx
 
-    model = build(variant, depth, width, device)
+    model = build(variant, depth, width, device, backend)
     idx = torch.randint(0, 65, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
     seconds = []
     for step in range(1 + WARMUP_STEPS + TIMED_STEPS):
@@ -181,12 +185,14 @@ def run_child(variant: str, depth: int, width: int, device: str = "cpu") -> dict
     }
 
 
-def run_isolated(variant: str, depth: int, width: int, device: str = "cpu") -> dict:
+def run_isolated(
+    variant: str, depth: int, width: int, device: str = "cpu", backend: str = "inductor"
+) -> dict:
     """One cold run in its own process; triton's cache lives under the fresh inductor one."""
     with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         command = [sys.executable, __file__, "--child", variant, "--depths", str(depth)]
-        command += ["--width", str(width), "--device", device]
+        command += ["--width", str(width), "--device", device, "--backend", backend]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{variant} at depth {depth} failed:\n{done.stderr[-3000:]}")
@@ -287,8 +293,8 @@ def phase_table(summary: dict, variants: list[str], depths: list[int], probe_s: 
                 str(depth),
                 variant,
                 f"{row['first_step_s']:.1f}",
-                f"{row['dynamo_s']:.1f}",
-                f"{row['aot_s']:.1f}",
+                f"{row['dynamo_s']:.2f}",
+                f"{row['aot_s']:.2f}",
                 f"{row['inductor_forward_s']:.1f}",
                 f"{row['inductor_backward_s']:.1f}",
                 f"{row['cpp_kernels']:.0f}",
@@ -334,10 +340,17 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--metrics", action="store_true", help="every torch timer, too")
+    parser.add_argument(
+        "--backend",
+        default="inductor",
+        choices=("inductor", "aot_eager"),
+        help="aot_eager: dynamo and AOT autograd alone, no inductor",
+    )
     add_run_arguments(parser, VARIANTS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.depths[0], args.width, args.device)))
+        child = run_child(args.child, args.depths[0], args.width, args.device, args.backend)
+        print(json.dumps(child))
         return
 
     runs: dict[str, dict[str, list[dict]]] = {
@@ -345,32 +358,33 @@ def main() -> None:
     }
     probes: list[float] = []
     for repeat in range(args.repeats):
-        if args.device == "cpu":
+        if args.device == "cpu" and args.backend == "inductor":
             probes.append(vec_isa_probe_seconds())
             print(f"repeat {repeat + 1} vector-ISA probe {probes[-1]:.1f} s", flush=True)
         for depth in args.depths:
             for variant in args.variants:  # interleaved, so drift hits every variant alike
-                result = run_isolated(variant, depth, args.width, args.device)
+                result = run_isolated(variant, depth, args.width, args.device, args.backend)
                 runs[str(depth)][variant].append(result)
                 print(f"repeat {repeat + 1} depth {depth:2d} {variant:22s} {result}", flush=True)
     summary = {d: {v: medians(r) for v, r in by_variant.items()} for d, by_variant in runs.items()}
 
     header = (
-        f"Machine: {machine()}, device {args.device}. Width {args.width}, batch 8x128 tokens, "
-        "forward+backward. "
+        f"Machine: {machine()}, device {args.device}, backend {args.backend}. Width {args.width}, "
+        "batch 8x128 tokens, forward+backward. "
         f"Medians of {args.repeats} run(s), each in its own process with a fresh inductor cache."
     )
     markdown = f"{header}\n\n{table(summary, args.variants, args.depths)}\n"
+    probe_s = statistics.median(probes) if probes else 0.0
     if probes:
-        probe_s = statistics.median(probes)
         markdown += (
             f"\nInductor's one-time CPU vector-ISA probe: {probe_s:.1f} s (median of "
             f"{len(probes)}, each in a fresh cache). Every inductor cold start above pays it once; "
-            "a machine whose inductor cache already holds it does not.\n\n"
-            f"{phase_table(summary, args.variants, args.depths, probe_s)}\n"
+            "a machine whose inductor cache already holds it does not.\n"
         )
+    markdown += f"\n{phase_table(summary, args.variants, args.depths, probe_s)}\n"
     data = {
         "machine": machine(),
+        "backend": args.backend,
         "width": args.width,
         "vec_isa_probe_s": probes,
         "runs": runs,
