@@ -11,9 +11,10 @@ regional and background modes one worker, once in the job, kills itself (SIGKILL
 step 4's checkpoint: in "regional" the one of agent 1, in "background" global rank 0,
 the parent of the job's background child, while the child compiles. The killed worker
 writes OUT_DIR/<mode>_killed.pt first; the worker that finishes on each agent writes
-OUT_DIR/<mode>_node<agent>.pt, with its restart count (the agent of the killed worker
-counts a restart; the other restarts its worker as a membership change, which torch
-does not count).
+OUT_DIR/<mode>_node<agent>.pt, with its global rank (c10d's rendezvous gives ranks in
+join order, so a restarted agent's worker may hold the other rank) and its restart count
+(the agent of the killed worker counts a restart; the other restarts its worker as a
+membership change, which torch does not count).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main(out: Path, mode: str) -> None:
         "compiled": model.model.blocks[0]._compiled_call_impl is not None,
         "children": list(background.pids) if background is not None else [],
         "restart_count": attempt,
+        "global_rank": fitted.global_rank,  # c10d ranks go in join order: a restart may swap them
     }
     torch.save(payload, out / f"{name}.pt")
 
