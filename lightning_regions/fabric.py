@@ -16,14 +16,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 from lightning.fabric.strategies import Strategy as FabricStrategy
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from .compile import EAGER_WHILE_TRAINING
+from .compile import EAGER_WHILE_TRAINING, tracker_of
 from .options import takes_options
 from .strategy import RegionalCompileBase
 
@@ -39,6 +41,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     the Fabric strategy's own arguments, all keyword-only."""
 
     _module: nn.Module | None = None
+    _timing_hook: RemovableHandle | None = None
     excluded_options = FABRIC_EXCLUDED
     #: Fabric has no teardown at the end of a loop: the gate's eager turns run training
     #: calls alone eager, so a loop that stops mid-turn evaluates compiled.
@@ -57,11 +60,39 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
             # Fabric's loop is the user's: the phase is what ran since the last step.
             phase = "the calls since the last optimizer step"
             self.at_step_boundary(self._module, phase)
+            if self.payoff is not None and self.payoff.decision is None:
+                self._time_forwards(self._module)
+            else:
+                self._stop_timing_forwards()
         return output
+
+    def _time_forwards(self, module: nn.Module) -> None:
+        """While the keep-or-revert gate times steps, each starts at the module's first
+        forward with grad after an optimizer step (what the loop ran before it, its
+        validation, is not in the step): a hook of ours, on the module until the
+        decision or teardown. Not where the module is itself a region (no repeated
+        blocks): a hook added to a compiled call would recompile it; there a step is
+        timed from the last optimizer step."""
+        tracker = tracker_of(module)
+        if self._timing_hook is not None or tracker is None:
+            return
+        if any(region.module is module for region in tracker.plan.regions):
+            return
+        self._timing_hook = module.register_forward_pre_hook(self._forward_starts)
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if self.payoff is not None and torch.is_grad_enabled():
+            self.payoff.training_starts()
+
+    def _stop_timing_forwards(self) -> None:
+        if self._timing_hook is not None:
+            self._timing_hook.remove()
+            self._timing_hook = None
 
     @override
     def teardown(self) -> None:
         super().teardown()
+        self._stop_timing_forwards()
         self.leave_parts()
 
 

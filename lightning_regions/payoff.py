@@ -32,10 +32,14 @@ noise cannot flip it back and forth:
    shorter than the median eager step: eager gets that edge, as torch's old ``autotune``
    backend gave it.
 
-The steps timed are real training steps: nothing is rolled back or repeated. A step is
-the time between two optimizer-step boundaries (data, forward, backward and optimizer, as
-the user's loop runs them). On CUDA the boundaries are CUDA events, read once at the end
-of each phase (one ``synchronize``), so no timed step gains a host-device sync.
+The steps timed are real training steps: nothing is rolled back or repeated. A step's
+time runs from its training's start (the Trainer's ``training_step``; in Fabric's loops,
+the module's first forward with grad after the last optimizer step) to its optimizer
+step's end: forward, backward and optimizer, as the user's loop runs them. What runs
+between an optimizer step and the next training forward (validation, a checkpoint, data
+loading) is not in it: validation every ``N`` steps, ``N`` even, would land on one way's
+turns alone and decide for the other. On CUDA the marks are CUDA events, read once at the
+end of each phase (one ``synchronize``), so no timed step gains a host-device sync.
 
 What it costs: ``WINDOW`` steps run eager where compiled may be faster, so a run of 1,000
 steps whose compiled step is ``r`` times faster than eager loses ``WINDOW * (r - 1) /
@@ -46,7 +50,6 @@ CUDA graphs, the same kernels: inductor's caches hold them) and ``CANDIDATE_SETT
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -156,26 +159,40 @@ class PayoffDecision:
 
 
 class StepClock:
-    """Marks at step boundaries: the wall clock, or CUDA events on a CUDA device."""
+    """Marks at step boundaries, and where a step's training began after its boundary:
+    the wall clock, or CUDA events on a CUDA device."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list[Any] = []
+        self.starts: dict[int, Any] = {}  # the step after mark i began training here
 
-    def mark(self) -> None:
+    def _now(self) -> Any:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+            return event
+        return time.perf_counter()
+
+    def mark(self) -> None:
+        """A step boundary: one step ends, the next begins (until ``training_starts``)."""
+        self.marks.append(self._now())
+
+    def training_starts(self) -> None:
+        """The step after the last boundary begins its training now: what ran between
+        the boundary and now (validation, a checkpoint, data) is not in its time. The
+        first call after a boundary counts (gradient accumulation calls it again)."""
+        if self.marks:
+            self.starts.setdefault(len(self.marks) - 1, self._now())
 
     def milliseconds(self) -> list[float]:
-        """The steps between the marks, in milliseconds."""
+        """Each step's time, from its training's start (or its boundary) to the next
+        boundary, in milliseconds."""
+        begins = [self.starts.get(i, mark) for i, mark in enumerate(self.marks[:-1])]
         if self.cuda:
             self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.marks)]
-        return [1000 * (b - a) for a, b in itertools.pairwise(self.marks)]
+            return [a.elapsed_time(b) for a, b in zip(begins, self.marks[1:], strict=True)]
+        return [1000 * (b - a) for a, b in zip(begins, self.marks[1:], strict=True)]
 
 
 @dataclass
@@ -239,6 +256,13 @@ class CompilePayoff:
         if self.decision is None and self._module is not None:
             use_region_calls(self._module, COMPILED)
             self.cuda_graphs = False
+
+    def training_starts(self) -> None:
+        """A training step begins its forward (the Trainer's ``training_step``, a Fabric
+        forward with grad): its timed step starts here, not at the last boundary."""
+        phase = next((phase for phase in self.phases if not phase.done), None)
+        if self.decision is None and phase is not None and phase.clock is not None:
+            phase.clock.training_starts()
 
     def at_step_boundary(self, module: Any, processes: Processes) -> PayoffDecision | None:
         if self.cuda_graphs:

@@ -280,6 +280,12 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
         self.compile_in_place(self.lightning_module, root_is_called=False)  # training_step
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.payoff is not None:  # the timed step starts here, after any validation
+            self.payoff.training_starts()
+        return super().training_step(*args, **kwargs)
+
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)
         self.at_step_boundary(self.lightning_module)

@@ -4,12 +4,15 @@ training as eager would, with the tie, the parameters, the optimizer and the key
 
 from __future__ import annotations
 
+import time
+
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import SlowAotEager, data, gpt, trainer
+from helpers import SMALL, SlowAotEager, data, gpt, trainer
 from torch import nn
 
+from examples.lightning_gpt import GPTModule
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
 from lightning_regions.compile import WhileTraining
 from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, SETTLE, WINDOW, Candidate
@@ -161,6 +164,91 @@ def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+#: A validation this long every 2 steps lands on one way's turns alone (turns go step by
+#: step): timed in the steps, it would decide for the other way.
+SLOW_VALIDATION_S = 0.3
+
+
+class SlowValidation(GPTModule):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(SLOW_VALIDATION_S)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_validation_between_steps_is_not_in_the_timed_steps(tmp_path):
+    """The Trainer times a step from its ``training_step`` to its optimizer step: a slow
+    validation every 2 steps (always the same way's turn) is in neither way's figures."""
+    model = SlowValidation(vocab_size=data().vocab_size, **SMALL)
+    strategy = RegionalCompileStrategy(backend="aot_eager")
+    fitted = trainer(tmp_path, strategy, STEPS, validate=True, val_check_interval=2)
+    fitted.fit(model, data())
+    decision = strategy.payoff.decision
+    assert decision is not None, "no decision"
+    slow_ms = 1000 * SLOW_VALIDATION_S
+    assert max(decision.compiled_ms, decision.eager_ms) < slow_ms / 2, decision
+
+
+def test_a_fabric_validation_between_steps_is_not_in_the_timed_steps():
+    """Fabric's steps start at the module's first forward with grad after an optimizer
+    step: a slow ``no_grad`` validation every 2 steps is in neither way's figures, and
+    the timing hook is gone once decided."""
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    import lightning_regions.fabric as regional_fabric
+    from examples.tiny_gpt import GPTConfig, TinyGPT
+
+    strategy = regional_fabric.RegionalCompileStrategy(backend="aot_eager")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    model = TinyGPT(GPTConfig(vocab_size=data().vocab_size, **SMALL))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    batches = iter(data().train_dataloader())
+    for step in range(STEPS):
+        idx, targets = next(batches)
+        loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 2 == 0:
+            with torch.no_grad():
+                model(idx)
+            time.sleep(SLOW_VALIDATION_S)
+    decision = strategy.payoff.decision
+    assert decision is not None, "no decision"
+    slow_ms = 1000 * SLOW_VALIDATION_S
+    assert max(decision.compiled_ms, decision.eager_ms) < slow_ms / 2, decision
+    assert not model.module._forward_pre_hooks
+
+
+def test_a_fabric_module_that_is_one_region_gets_no_timing_hook():
+    """Where the module is itself the region, a hook added to it would recompile its
+    compiled call: its steps are timed from one optimizer step to the next, hook-free."""
+    from lightning.fabric import Fabric
+
+    import lightning_regions.fabric as regional_fabric
+    from lightning_regions import NoRepeatedBlocksWarning
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    strategy = regional_fabric.RegionalCompileStrategy(backend=counting)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(NoRepeatedBlocksWarning):
+        model, optimizer = fabric.setup(model, optimizer)
+    for _ in range(STEPS):
+        fabric.backward(model(torch.randn(4, 8)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        assert not model.module._forward_pre_hooks
+    assert strategy.payoff.decision is not None and len(graphs) == 1  # forward, no recompile
 
 
 @pytest.mark.inductor
