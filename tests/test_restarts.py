@@ -77,7 +77,7 @@ def test_a_killed_rank_restarts_warm_on_both_nodes_with_the_uninterrupted_losses
     restarts = sorted(regional[node]["restart_count"] for node in ("node0", "node1"))
     assert restarts == [0, 1]  # the killed worker's agent counted its one restart
     whole = losses_by_rank(plain)
-    assert sorted(whole) == [0, 1]
+    assert sorted(losses_by_rank(regional)) == sorted(whole) == [0, 1]
     for node in ("node0", "node1"):
         resumed = regional[node]
         assert resumed["global_step"] == plain[node]["global_step"] == 8
