@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
@@ -27,6 +26,7 @@ from typing_extensions import override
 
 from .compile import EAGER_WHILE_TRAINING, tracker_of
 from .options import takes_options
+from .payoff import TrainingForwardHook
 from .strategy import RegionalCompileBase
 
 #: Fabric's checkpoints carry no compile artifacts: nothing to trust.
@@ -78,11 +78,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
             return
         if any(region.module is module for region in tracker.plan.regions):
             return
-        self._timing_hook = module.register_forward_pre_hook(self._forward_starts)
-
-    def _forward_starts(self, module: nn.Module, args: Any) -> None:
-        if self.payoff is not None and torch.is_grad_enabled():
-            self.payoff.training_starts()
+        assert self.payoff is not None  # timing
+        self._timing_hook = module.register_forward_pre_hook(TrainingForwardHook(self.payoff))
 
     def _stop_timing_forwards(self) -> None:
         if self._timing_hook is not None:

@@ -50,6 +50,7 @@ CUDA graphs, the same kernels: inductor's caches hold them) and ``CANDIDATE_SETT
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -230,6 +231,24 @@ class Phase:
         assert self.clock is not None
         steps = self.clock.milliseconds()
         return statistics.median(steps[1::2]), statistics.median(steps[0::2])
+
+
+class TrainingForwardHook:
+    """A forward pre-hook that starts ``payoff``'s timed step at a forward with grad (a
+    Fabric loop's training forward; a ``no_grad`` validation starts nothing). Pickled
+    and copied as a hook of builtins that passes its arguments through unchanged
+    (``{}.get(module, args)`` is ``args``): a copy of the module made while the gate
+    times is a plain model, as the tracker's ``__reduce__`` makes it."""
+
+    def __init__(self, payoff: CompilePayoff) -> None:
+        self.payoff = payoff
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self.payoff.training_starts()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (functools.partial, (dict.get, {}))
 
 
 class CompilePayoff:
