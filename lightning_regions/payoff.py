@@ -33,8 +33,9 @@ noise cannot flip it back and forth:
    backend gave it.
 
 The steps timed are real training steps: nothing is rolled back or repeated. A step's
-time runs from its training's start (the Trainer's ``training_step``; in Fabric's loops,
-the module's first forward with grad after the last optimizer step) to its optimizer
+time runs from its training's start (the Trainer's first ``training_step`` after the last
+optimizer step; in Fabric's loops, the module's first forward with grad after it, unless
+the module is itself the one region: then from the last optimizer step) to its optimizer
 step's end: forward, backward and optimizer, as the user's loop runs them. What runs
 between an optimizer step and the next training forward (validation, a checkpoint, data
 loading) is not in it: validation every ``N`` steps, ``N`` even, would land on one way's

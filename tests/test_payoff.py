@@ -18,7 +18,14 @@ from torch import nn
 from examples.lightning_gpt import GPTModule
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
 from lightning_regions.compile import WhileTraining
-from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, SETTLE, WINDOW, Candidate
+from lightning_regions.payoff import (
+    CANDIDATE_SETTLE,
+    CUDA_GRAPHS,
+    SETTLE,
+    WINDOW,
+    Candidate,
+    StepClock,
+)
 
 #: Optimizer steps until the decision: the first compiled, the settling ones, the turns.
 DECIDED_AFTER = 1 + SETTLE + 2 * WINDOW
@@ -167,6 +174,23 @@ def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_step_is_timed_from_its_first_training_start_to_its_boundary():
+    """``StepClock``: a step starts at its first ``training_starts`` after a boundary
+    (gradient accumulation calls it again), else at the boundary itself."""
+    clock = StepClock(torch.device("cpu"))
+    clock.training_starts()  # before any boundary: no step to start
+    assert clock.starts == {}
+    clock.mark()
+    clock.training_starts()
+    began = clock.starts[0]
+    clock.training_starts()  # the second micro-batch: the step began at the first
+    assert clock.starts == {0: began}
+    clock.mark()
+    clock.mark()  # a step without a training start: from its boundary
+    first, second = clock.marks[1:]
+    assert clock.milliseconds() == [1000 * (first - began), 1000 * (second - first)]
 
 
 #: A validation this long every 2 steps lands on one way's turns alone (turns go step by
