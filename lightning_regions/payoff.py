@@ -280,9 +280,14 @@ class CompilePayoff:
     def training_starts(self) -> None:
         """A training step begins its forward (the Trainer's ``training_step``, a Fabric
         forward with grad): its timed step starts here, not at the last boundary."""
-        phase = next((phase for phase in self.phases if not phase.done), None)
-        if self.decision is None and phase is not None and phase.clock is not None:
-            phase.clock.training_starts()
+        if self.decision is None:
+            phase = self._current_phase()
+            if phase is not None and phase.clock is not None:
+                phase.clock.training_starts()
+
+    def _current_phase(self) -> Phase | None:
+        """The first phase not done (None before the first boundary or once all are)."""
+        return next((phase for phase in self.phases if not phase.done), None)
 
     def at_step_boundary(self, module: Any, processes: Processes) -> PayoffDecision | None:
         if self.cuda_graphs:
@@ -296,7 +301,8 @@ class CompilePayoff:
                 Phase(COMPILED, EAGER, SETTLE + 1),
                 *(Phase(COMPILED, c.name, CANDIDATE_SETTLE, c) for c in self.candidates),
             ]
-        phase = next(phase for phase in self.phases if not phase.done)
+        phase = self._current_phase()
+        assert phase is not None  # undecided: a phase is still running
         phase.steps += 1
         if phase.steps < phase.settle:
             return None

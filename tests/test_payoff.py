@@ -205,6 +205,17 @@ class SlowValidation(GPTModule):
         return super().validation_step(batch, batch_idx)
 
 
+def assert_no_timed_step_holds_the_validation(payoff) -> None:
+    """The decision came, each step of the eager phase started at its training (not at
+    its boundary), and none holds a ``SLOW_VALIDATION_S`` validation."""
+    decision = payoff.decision
+    assert decision is not None, "no decision"
+    clock = payoff.phases[0].clock
+    steps = [round(ms, 1) for ms in clock.milliseconds()]
+    assert sorted(clock.starts) == list(range(2 * WINDOW)), steps
+    assert max(steps) < 1000 * SLOW_VALIDATION_S, (decision, steps)
+
+
 def test_validation_between_steps_is_not_in_the_timed_steps(tmp_path):
     """The Trainer times a step from its ``training_step`` to its optimizer step: a slow
     validation every 2 steps (always the same way's turn) is in neither way's figures."""
@@ -212,12 +223,7 @@ def test_validation_between_steps_is_not_in_the_timed_steps(tmp_path):
     strategy = RegionalCompileStrategy(backend="aot_eager")
     fitted = trainer(tmp_path, strategy, STEPS, validate=True, val_check_interval=2)
     fitted.fit(model, data())
-    decision = strategy.payoff.decision
-    assert decision is not None, "no decision"
-    clock = strategy.payoff.phases[0].clock
-    steps = [round(ms, 1) for ms in clock.milliseconds()]
-    assert sorted(clock.starts) == list(range(2 * WINDOW)), steps  # each from training_step
-    assert max(steps) < 1000 * SLOW_VALIDATION_S, (decision, steps)  # no step holds one
+    assert_no_timed_step_holds_the_validation(strategy.payoff)
 
 
 def test_a_fabric_validation_between_steps_is_not_in_the_timed_steps():
@@ -253,12 +259,7 @@ def test_a_fabric_validation_between_steps_is_not_in_the_timed_steps():
                 assert isinstance(hook, functools.partial) and hook(copied, (idx,)) == (idx,)
                 with torch.no_grad():
                     torch.testing.assert_close(copied(idx), model.module(idx))
-    decision = strategy.payoff.decision
-    assert decision is not None, "no decision"
-    clock = strategy.payoff.phases[0].clock
-    steps = [round(ms, 1) for ms in clock.milliseconds()]
-    assert sorted(clock.starts) == list(range(2 * WINDOW)), steps  # each from its forward
-    assert max(steps) < 1000 * SLOW_VALIDATION_S, (decision, steps)  # no step holds one
+    assert_no_timed_step_holds_the_validation(strategy.payoff)
     assert not model.module._forward_pre_hooks
 
 
