@@ -12,6 +12,8 @@ from hypothesis import settings
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))  # examples/ as a package
 
+import process_state
+
 settings.register_profile("default", max_examples=200, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
@@ -83,6 +85,34 @@ def fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_process_as_it_found_it(request):
+    """Fail a test that leaves a process-wide mode, flag, hook or setting changed
+    (``process_state``): the later tests of its worker would run differently. Its value
+    is put back where it can be, so only the test that left it fails."""
+    before = process_state.process_state()
+    yield
+    gc.collect()  # models dropped by the test end their windows, as fresh_dynamo's does
+    left = process_state.changes(before, process_state.process_state())
+    if left:
+        process_state.restore(before)
+        pytest.fail(f"{request.node.nodeid} left the process changed: {'; '.join(left)}")
+
+
+@pytest.fixture
+def lightning_may_set_omp_num_threads():
+    """For a test that sets a Lightning distributed strategy up in its own process:
+    Lightning sets ``OMP_NUM_THREADS`` there where it is unset (``fabric.utilities.
+    distributed._set_num_threads_if_needed``, kept for the user's whole job); here it
+    ends with the test."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    yield
+    if previous is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = previous
 
 
 class CountingBackend:

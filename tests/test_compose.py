@@ -63,7 +63,7 @@ def process_group_destroyed_after():
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.usefixtures("process_group_destroyed_after")
+@pytest.mark.usefixtures("process_group_destroyed_after", "lightning_may_set_omp_num_threads")
 def test_a_ddp_subclass_defined_in_a_function_trains_compiled_and_equal_to_itself(tmp_path):
     class ClusterDDP(DDPStrategy):  # a cluster's own DDP, with an argument of its own
         def __init__(self, *, site: str = "here", **kwargs) -> None:
@@ -162,6 +162,7 @@ def test_fsdp1_on_a_cpu_is_refused_at_the_trainer_in_lightnings_words():
         assert said.startswith("ValueError: The strategy `regional_compile_fsdp1` requires a GPU")
 
 
+@pytest.mark.usefixtures("lightning_may_set_omp_num_threads")
 def test_deepspeed_is_refused_as_lightning_refuses_it():
     try:
         import deepspeed  # noqa: F401

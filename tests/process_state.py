@@ -1,0 +1,93 @@
+"""What a test may change in its process for the tests after it, read as plain values.
+
+The suite runs many tests in one worker process, so a mode, flag, hook or setting a test
+leaves behind changes how the later tests' models trace and run (an active torch
+function mode, say, makes every eager op slower and breaks dynamo's graphs). The
+``conftest.py`` fixture compares this state around each test and fails the one that
+leaves it changed. Torch's private names for it are here, the test suite's one place
+for them (the library's are in ``lightning_regions.compat``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn.modules.module as module_globals
+
+from lightning_regions import compat
+
+#: The process-wide module hooks ``torch.nn.modules.module`` keeps (``register_module_*``).
+GLOBAL_MODULE_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
+#: Environment variables that change how torch or this plugin compiles and runs.
+WATCHED_ENVIRONMENT = ("TORCH", "LIGHTNING_REGIONS", "OMP_", "MKL_", "MALLOC_", "PYTORCH")
+
+
+def process_state() -> dict[str, Any]:
+    """The process-wide settings a test could leave changed, by name."""
+    state: dict[str, Any] = {
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "grad enabled": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "anomaly detection": torch.is_anomaly_enabled(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "intra-op threads": torch.get_num_threads(),
+        "default dtype": torch.get_default_dtype(),
+        "default device": str(torch.get_default_device()),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "compiler stance": repr(torch._dynamo.eval_frame._stance),
+        "sys.getprofile()": sys.getprofile(),
+        "sys.gettrace()": sys.gettrace(),
+    }
+    for name in GLOBAL_MODULE_HOOKS:
+        state[f"torch.nn.modules.module.{name}"] = len(getattr(module_globals, name, {}))
+    for config, settings in compat.compile_settings().items():
+        for name, value in settings.items():
+            state[f"{config} config {name}"] = value
+    for name, value in os.environ.items():
+        if name.startswith(WATCHED_ENVIRONMENT):
+            state[f"${name}"] = value
+    return state
+
+
+def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """``name: before -> after`` for each setting that differs (``unset`` where absent)."""
+    return [
+        f"{name}: {before.get(name, 'unset')!r} -> {after.get(name, 'unset')!r}"
+        for name in sorted(before.keys() | after.keys())
+        if before.get(name, "unset") != after.get(name, "unset")
+    ]
+
+
+def restore(before: dict[str, Any]) -> None:
+    """Put back what can be put back by value: threads, grad mode, the environment and
+    the compile settings (so that one test's leak does not fail the tests after it)."""
+    torch.set_num_threads(before["intra-op threads"])
+    torch.set_grad_enabled(before["grad enabled"])
+    for name in [n for n in os.environ if n.startswith(WATCHED_ENVIRONMENT)]:
+        if f"${name}" not in before:
+            del os.environ[name]
+    for key, value in before.items():
+        if key.startswith("$"):
+            os.environ[key[1:]] = value
+    compat.load_compile_settings(
+        {
+            config: {
+                key.split(" config ", 1)[1]: value
+                for key, value in before.items()
+                if key.startswith(f"{config} config ")
+            }
+            for config in ("dynamo", "inductor")
+        }
+    )
