@@ -54,12 +54,18 @@ CUDA_GRAPH_VARIANTS = ("whole_cudagraphs", "regional_cudagraphs")
 
 def build(variant: str, depth: int, width: int, device: str = "cpu", backend: str = "inductor"):
     """The model for ``variant`` on ``device``, ready to be called; every compiled variant
-    uses ``backend`` (``aot_eager`` times dynamo and AOT autograd without inductor)."""
+    uses ``backend`` (``aot_eager`` times dynamo and AOT autograd without inductor), but
+    the CUDA-graph ones, which are inductor's and refuse another."""
     import torch
 
     from examples.tiny_gpt import GPTConfig, TinyGPT
     from lightning_regions import compile_regions
 
+    if variant in CUDA_GRAPH_VARIANTS and backend != "inductor":
+        raise ValueError(
+            f"{variant} runs inductor's mode='reduce-overhead' and cannot use backend "
+            f"{backend!r}: run it with --backend inductor"
+        )
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, block_size=128, n_layer=depth, n_head=4, n_embd=width)
     model = TinyGPT(config).to(device)

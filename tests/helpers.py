@@ -116,8 +116,8 @@ class WaitForTheSwitch(pl.Callback):
         #: torch's intra-op threads at the end of steps "before the switch" (the job's
         #: child compiled) and "after" it
         self.threads: dict[str, set[int]] = {"before the switch": set(), "after": set()}
-        #: the child's OMP_THREAD_LIMIT, read while it compiled
-        self.child: dict[str, object] = {}
+        #: the child's environment, read while it compiled
+        self.child_environment: dict[str, str] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         from lightning_regions.compat import cache_counts
@@ -131,14 +131,12 @@ class WaitForTheSwitch(pl.Callback):
         if not background.switched:
             process = background.process
             environ = b""
-            if process is not None and not self.child and process.poll() is None:
+            if process is not None and not self.child_environment and process.poll() is None:
                 # empty while exec sets up the new process's stack: read at a later step
                 environ = Path(f"/proc/{process.pid}/environ").read_bytes()
             if environ:
-                limit = [v for v in environ.split(b"\0") if v.startswith(b"OMP_THREAD_LIMIT=")]
-                self.child = {
-                    "OMP_THREAD_LIMIT": limit[0].split(b"=")[1].decode() if limit else None,
-                }
+                variables = (v.decode().partition("=") for v in environ.split(b"\0") if v)
+                self.child_environment = {name: value for name, _, value in variables}
             time.sleep(self.seconds)
             return
         if self.switch_step is None:  # switched in this step's optimizer step

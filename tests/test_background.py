@@ -44,7 +44,7 @@ def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStr
     assert torch.get_num_threads() == threads
     # the child: its parallel work on the threads lent, its kernels made for all of the
     # training process's threads (inductor's cache key holds the count)
-    assert wait.child == {"OMP_THREAD_LIMIT": str(lent_threads(threads))}
+    assert wait.child_environment["OMP_THREAD_LIMIT"] == str(lent_threads(threads))
     assert strategy.background.child_threads == threads
     assert strategy.background.process is None
     return strategy
