@@ -47,6 +47,14 @@ def process_state() -> dict[str, Any]:
         "default device": str(torch.get_default_device()),
         "float32 matmul precision": torch.get_float32_matmul_precision(),
         "compiler stance": repr(torch._dynamo.eval_frame._stance),
+        # dynamo's frame callback, set while a compiled call runs: left set, every frame
+        # after it would be traced
+        "dynamo frame callback": torch._C._dynamo.eval_frame.get_eval_frame_callback(),
+        # autograd's saved-tensor hooks (checkpointing, offload): left set, every eager
+        # backward would pack through them and dynamo would break graphs on them
+        "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(True),
+        "cpu autocast": torch.is_autocast_enabled("cpu"),
+        "cuda autocast": torch.is_autocast_enabled("cuda"),
         "sys.getprofile()": sys.getprofile(),
         "sys.gettrace()": sys.gettrace(),
     }
