@@ -54,6 +54,18 @@ def train(fabric: Fabric, steps: int, move_to_device: bool = True) -> tuple[Tiny
     return model, losses
 
 
+def release_gloo_before_exit(fabric: Fabric) -> None:
+    """torch's shutdown, which Fabric leaves to the script for gloo (it registers it at
+    exit for nccl only), after a barrier. On torch 2.13 and later (not 2.11) each backward
+    stashes a Python object in the thread state that DDP's gradient all-reduces capture;
+    a gloo worker thread that frees the last one needs the GIL, and deleting the DDP
+    model destroys the process group holding the GIL while it joins those threads: the
+    exit then hangs or aborts ("terminate called without an active exception"). The
+    barrier waits without the GIL, so the workers free them first (``docs/usage.md``)."""
+    fabric.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="regional_compile")
@@ -86,6 +98,8 @@ def main() -> None:
         out = Path(args.out) / f"{args.strategy}_rank{fabric.global_rank}.json"
         out.write_text(json.dumps(result))
     fabric.print(json.dumps(result))
+    if torch.distributed.is_initialized():
+        release_gloo_before_exit(fabric)
 
 
 if __name__ == "__main__":
