@@ -4,8 +4,8 @@ The suite runs many tests in one worker process, so a mode, flag, hook or settin
 leaves behind changes how the later tests' models trace and run (an active torch
 function mode, say, makes every eager op slower and breaks dynamo's graphs). The
 ``conftest.py`` fixture compares this state around each test and fails the one that
-leaves it changed. Torch's private names for it are here, the test suite's one place
-for them (the library's are in ``lightning_regions.compat``).
+leaves it changed. The private torch names it reads are kept here, beside the public
+ones (the library's own are in ``lightning_regions.compat``).
 """
 
 from __future__ import annotations
