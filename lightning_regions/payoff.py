@@ -42,6 +42,19 @@ loading) is not in it: validation every ``N`` steps, ``N`` even, would land on o
 turns alone and decide for the other. On CUDA the marks are CUDA events, read once at the
 end of each phase (one ``synchronize``), so no timed step gains a host-device sync.
 
+Batches of varying size (variable-length text, an epoch's smaller last batch) would
+decide on the batches, not the ways: 4 steps each way, of lengths drawn at random, differ
+by more than compiled and eager do. So each timed step records its batches' elements (the
+tensors Lightning would move to the device, ``apply_to_collection``; summed over a step's
+micro-batches), and where they differ, every step's time is scaled to the median batch's
+elements by ``size ** k`` before the medians (``at_one_size``): ``k`` is the median slope
+of log time against log elements over pairs of steps of one way (Theil-Sen: one recompile
+or a slow step moves it little), kept in ``[0, 2]`` (0 where a step's time does not grow
+with its batch, a launch-bound one; 1 where it grows as the batch, 2 for attention's
+square). Where every batch has one size nothing is scaled. A candidate that needs static
+shapes (CUDA graphs record one graph per shape) is not tried where the batches' shapes
+varied in the turns against eager.
+
 What it costs: ``WINDOW`` steps run eager where compiled may be faster, so a run of 1,000
 steps whose compiled step is ``r`` times faster than eager loses ``WINDOW * (r - 1) /
 1000`` of its time: at most 1% up to ``r = 3.5``. A candidate adds its own compile (with
@@ -52,12 +65,15 @@ CUDA graphs, the same kernels: inductor's caches hold them) and ``CANDIDATE_SETT
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from .compat import cudagraph_skips
 from .compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
@@ -75,6 +91,8 @@ EDGE = 0.01
 CUDA_GRAPHS = "CUDA graphs"
 #: ``torch.compile`` modes whose kernels are the default mode's, without CUDA graphs.
 MODES_WITHOUT_CUDA_GRAPHS = (None, "default", "max-autotune-no-cudagraphs")
+#: The range of ``k`` in a step's time growing as its batch's elements ``** k``.
+SIZE_EXPONENT_RANGE = (0.0, 2.0)
 
 
 class Processes(Protocol):
@@ -132,14 +150,63 @@ class Figure:
 
 
 @dataclass(frozen=True)
+class SizeScaling:
+    """How the timed steps' batches differed in size, and what their times were scaled
+    to: ``reference`` elements, each step's time times ``(reference / its elements) **
+    exponent``."""
+
+    smallest: int
+    largest: int
+    reference: int
+    exponent: float
+
+    def __str__(self) -> str:
+        return (
+            f"batches of {self.smallest:,}-{self.largest:,} elements, each step scaled to "
+            f"{self.reference:,} by size^{self.exponent:.2f}"
+        )
+
+
+def batch_signature(batch: Any) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """A batch's tensors (as Lightning finds them in a collection: mappings, sequences,
+    dataclasses): their elements in all, and their shapes."""
+    shapes: list[tuple[int, ...]] = []
+    apply_to_collection(batch, torch.Tensor, lambda tensor: shapes.append(tuple(tensor.shape)))
+    return sum(math.prod(shape) for shape in shapes), tuple(shapes)
+
+
+def at_one_size(
+    ms: list[float], elements: list[int | None], ways: list[int]
+) -> tuple[list[float], SizeScaling | None]:
+    """Step times ``ms`` of batches of ``elements`` (None: not seen), each of way
+    ``ways[i]``, scaled to the median batch's elements (see the module docstring); as
+    they are, with no scaling, where the sizes are all one or any is unknown."""
+    known = [n for n in elements if n]
+    if len(known) < len(elements) or len(set(known)) < 2:
+        return ms, None
+    slopes = [
+        (math.log(ms[i]) - math.log(ms[j])) / (math.log(known[i]) - math.log(known[j]))
+        for i, j in itertools.combinations(range(len(ms)), 2)
+        if ways[i] == ways[j] and known[i] != known[j] and ms[i] > 0 and ms[j] > 0
+    ]
+    low, high = SIZE_EXPONENT_RANGE
+    exponent = min(max(statistics.median(slopes), low), high) if slopes else 0.0
+    reference = statistics.median_low(known)
+    scaled = [t * (reference / n) ** exponent for t, n in zip(ms, known, strict=True)]
+    return scaled, SizeScaling(min(known), max(known), reference, exponent)
+
+
+@dataclass(frozen=True)
 class PayoffDecision:
     """The medians this process measured, and what every process decided: ``chosen``
-    is ``"compiled"``, ``"eager"`` or a candidate's name."""
+    is ``"compiled"``, ``"eager"`` or a candidate's name; ``scaling``: how the steps'
+    times were scaled to one batch size, where the batches differed."""
 
     compiled_ms: float
     eager_ms: float
     chosen: str
     candidates: tuple[Figure, ...] = ()
+    scaling: SizeScaling | None = None
 
     @property
     def kept(self) -> bool:
@@ -154,20 +221,23 @@ class PayoffDecision:
             what = "regions kept compiled"
         else:
             what = f"regions kept compiled, with {self.chosen}"
+        scaled = f" ({self.scaling})" if self.scaling is not None else ""
         return (
             f"compiled {self.compiled_ms:.1f} ms{others} vs eager {self.eager_ms:.1f} ms a "
-            f"step: {what}"
+            f"step{scaled}: {what}"
         )
 
 
 class StepClock:
-    """Marks at step boundaries, and where a step's training began after its boundary:
-    the wall clock, or CUDA events on a CUDA device."""
+    """Marks at step boundaries, where a step's training began after its boundary (the
+    wall clock, or CUDA events on a CUDA device), and the batches it trained on."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list[Any] = []
         self.starts: dict[int, Any] = {}  # the step after mark i began training here
+        self.elements: dict[int, int] = {}  # ... on batches of this many elements in all
+        self.shapes: set[tuple[tuple[int, ...], ...]] = set()  # every batch's shapes
 
     def _now(self) -> Any:
         if self.cuda:
@@ -180,12 +250,22 @@ class StepClock:
         """A step boundary: one step ends, the next begins (until ``training_starts``)."""
         self.marks.append(self._now())
 
-    def training_starts(self) -> None:
-        """The step after the last boundary begins its training now: what ran between
-        the boundary and now (validation, a checkpoint, data) is not in its time. The
-        first call after a boundary counts (gradient accumulation calls it again)."""
+    def training_starts(self, batch: Any = None) -> None:
+        """The step after the last boundary begins its training (on ``batch``, where
+        given) now: what ran between the boundary and now (validation, a checkpoint,
+        data) is not in its time. The first call after a boundary starts it; each call
+        adds its batch (gradient accumulation calls it once per micro-batch)."""
         if self.marks:
-            self.starts.setdefault(len(self.marks) - 1, self._now())
+            step = len(self.marks) - 1
+            self.starts.setdefault(step, self._now())
+            if batch is not None:
+                elements, shapes = batch_signature(batch)
+                self.elements[step] = self.elements.get(step, 0) + elements
+                self.shapes.add(shapes)
+
+    def batch_elements(self) -> list[int | None]:
+        """Each step's batches' elements (None where no batch was given)."""
+        return [self.elements.get(i) for i in range(len(self.marks) - 1)]
 
     def milliseconds(self) -> list[float]:
         """Each step's time, from its training's start (or its boundary) to the next
@@ -213,6 +293,8 @@ class Phase:
     reserved_before: int = 0
     counts: bool = True  # False where the challenger did not run as it claims
     notes: list[str] = field(default_factory=list)
+    skipped: bool = False  # not run: its candidate needs static shapes, and they varied
+    scaling: SizeScaling | None = None  # set by ``medians``
 
     @property
     def marks(self) -> int:
@@ -220,7 +302,7 @@ class Phase:
 
     @property
     def done(self) -> bool:
-        return self.marks == 2 * WINDOW + 1
+        return self.skipped or self.marks == 2 * WINDOW + 1
 
     def next_way(self) -> str:
         """The way of the step that starts now (after the last mark)."""
@@ -228,9 +310,12 @@ class Phase:
         return self.challenger if timed % 2 == 0 else self.incumbent
 
     def medians(self) -> tuple[float, float]:
-        """The incumbent's and the challenger's median step, in milliseconds."""
+        """The incumbent's and the challenger's median step, in milliseconds, at one
+        batch size where the batches differed (``at_one_size``)."""
         assert self.clock is not None
         steps = self.clock.milliseconds()
+        ways = [i % 2 for i in range(len(steps))]  # 0: the challenger's turn
+        steps, self.scaling = at_one_size(steps, self.clock.batch_elements(), ways)
         return statistics.median(steps[1::2]), statistics.median(steps[0::2])
 
 
@@ -246,7 +331,7 @@ class TrainingForwardHook:
 
     def __call__(self, module: Any, args: Any) -> None:
         if torch.is_grad_enabled():
-            self.payoff.training_starts()
+            self.payoff.training_starts(args)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (functools.partial, (dict.get, {}))
@@ -277,13 +362,14 @@ class CompilePayoff:
             use_region_calls(self._module, COMPILED)
             self.cuda_graphs = False
 
-    def training_starts(self) -> None:
-        """A training step begins its forward (the Trainer's ``training_step``, a Fabric
-        forward with grad): its timed step starts here, not at the last boundary."""
+    def training_starts(self, batch: Any = None) -> None:
+        """A training step begins its forward on ``batch`` (the Trainer's
+        ``training_step``, a Fabric forward with grad): its timed step starts here, not
+        at the last boundary."""
         if self.decision is None:
             phase = self._current_phase()
             if phase is not None and phase.clock is not None:
-                phase.clock.training_starts()
+                phase.clock.training_starts(batch)
 
     def _current_phase(self) -> Phase | None:
         """The first phase not done (None before the first boundary or once all are)."""
@@ -315,6 +401,7 @@ class CompilePayoff:
             use_region_calls(module, self.eager_turn if way == EAGER else way)
             return None
         self._end(phase, device)
+        self._skip_static_shape_candidates()
         following = [later for later in self.phases if not later.done]
         if following:
             self._start(module, following[0], device)
@@ -326,6 +413,18 @@ class CompilePayoff:
         )
         tracker.payoff = str(self.decision)
         return self.decision
+
+    def _skip_static_shape_candidates(self) -> None:
+        """CUDA graphs record one graph per shape: not tried where the batches' shapes
+        varied in the turns against eager."""
+        first = self.phases[0]
+        if first.clock is None or len(first.clock.shapes) < 2:
+            return
+        for phase in self.phases[1:]:
+            if phase.candidate is not None and phase.candidate.cuda_graphs and not phase.done:
+                phase.skipped = True
+                phase.counts = False
+                phase.notes.append("not tried: the batches' shapes vary")
 
     def _start(self, module: Any, phase: Phase, device: torch.device) -> None:
         """Put ``phase``'s candidate in place for its settling steps."""
@@ -359,6 +458,9 @@ class CompilePayoff:
         best_way, best_ms = COMPILED, compiled_ms
         figures = []
         for phase in tried:
+            if phase.skipped:
+                figures.append(Figure(phase.challenger, None, "; ".join(phase.notes), False))
+                continue
             against, ms = phase.medians()  # compiled again, in turns with the candidate
             figures.append(Figure(phase.challenger, ms, "; ".join(phase.notes), phase.counts))
             scaled = ms * compiled_ms / against  # on the first phase's scale, beside eager's
@@ -367,7 +469,7 @@ class CompilePayoff:
                 best_way, best_ms = phase.challenger, scaled
         kept = processes.reduce_boolean_decision(best_ms <= (1 - EDGE) * eager_ms, all=True)
         chosen = best_way if kept else EAGER
-        return PayoffDecision(compiled_ms, eager_ms, chosen, tuple(figures))
+        return PayoffDecision(compiled_ms, eager_ms, chosen, tuple(figures), first.scaling)
 
 
 def _reserved(device: torch.device) -> int:

@@ -282,7 +282,7 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.payoff is not None:  # the timed step starts here, after any validation
-            self.payoff.training_starts()
+            self.payoff.training_starts((args, kwargs))  # the batch, its index (no tensor)
         return super().training_step(*args, **kwargs)
 
     @override
