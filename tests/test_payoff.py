@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import pickle
+import statistics
 import time
 
 import lightning.pytorch as pl
@@ -25,6 +26,7 @@ from lightning_regions.payoff import (
     WINDOW,
     Candidate,
     StepClock,
+    at_one_size,
 )
 
 #: Optimizer steps until the decision: the first compiled, the settling ones, the turns.
@@ -193,6 +195,42 @@ def test_a_step_is_timed_from_its_first_training_start_to_its_boundary():
     assert clock.milliseconds() == [1000 * (first - began), 1000 * (second - first)]
 
 
+def test_steps_of_different_batch_sizes_are_compared_at_one_size():
+    """``at_one_size``: where the eager turns drew the longer batches, the raw medians
+    favour compiled, though it is 1.5x eager at every size; scaled to one size by the
+    exponent found within each way's turns, the medians say 1.5x. One size, or a size
+    not known, scales nothing; a step time that falls with size is not extrapolated."""
+    rows = [16, 4, 48, 12, 16, 4, 48, 12]  # eager's turns first, as the gate times them
+    ways = [i % 2 for i in range(8)]  # 0: eager
+    ms = [n * (1.5 if way else 1.0) for n, way in zip(rows, ways, strict=True)]
+    assert statistics.median(ms[1::2]) < statistics.median(ms[0::2])  # raw: "compiled"
+    scaled, scaling = at_one_size(ms, rows, ways)
+    assert statistics.median(scaled[1::2]) == pytest.approx(1.5 * statistics.median(scaled[0::2]))
+    assert (scaling.smallest, scaling.largest, scaling.reference) == (4, 48, 12)
+    assert scaling.exponent == pytest.approx(1.0)
+    assert str(scaling) == "batches of 4-48 elements, each step scaled to 12 by size^1.00"
+    recompiled = [*ms[:3], 50 * ms[3], *ms[4:]]  # one slow compiled step moves k little
+    assert at_one_size(recompiled, rows, ways)[1].exponent == pytest.approx(1.0)
+    assert at_one_size(ms, [8] * 8, ways) == (ms, None)
+    assert at_one_size(ms, [*rows[:7], None], ways) == (ms, None)
+    falling = [1 / n for n in rows]
+    assert at_one_size(falling, rows, ways)[1].exponent == 0.0
+
+
+def test_a_step_records_the_elements_of_its_micro_batches():
+    """``StepClock.training_starts(batch)``: each call adds its batch's tensors (found
+    in tuples, dicts, as Lightning finds them), so a step of accumulated gradients
+    counts all its micro-batches; a step given no batch has none."""
+    clock = StepClock(torch.device("cpu"))
+    clock.mark()
+    clock.training_starts(((torch.zeros(4, 3), {"mask": torch.zeros(4)}), 7))
+    clock.training_starts([torch.zeros(2, 3), "text"])
+    clock.mark()
+    clock.mark()
+    assert clock.batch_elements() == [12 + 4 + 6, None]
+    assert clock.shapes == {((4, 3), (4,)), ((2, 3),)}
+
+
 #: A validation this long every 2 steps lands on one way's turns alone (turns go step by
 #: step): timed in the steps, it would decide for the other way. Longer than any step of
 #: the tiny GPT here, on a loaded machine too.
@@ -260,6 +298,7 @@ def test_a_fabric_validation_between_steps_is_not_in_the_timed_steps():
                 with torch.no_grad():
                     torch.testing.assert_close(copied(idx), model.module(idx))
     assert_no_timed_step_holds_the_validation(strategy.payoff)
+    assert strategy.payoff.phases[0].clock.batch_elements() == [idx.numel()] * (2 * WINDOW)
     assert not model.module._forward_pre_hooks
 
 
@@ -289,6 +328,66 @@ def test_a_fabric_module_that_is_one_region_gets_no_timing_hook():
         optimizer.zero_grad()
         assert not model.module._forward_pre_hooks
     assert strategy.payoff.decision is not None and len(graphs) == 1  # forward, no recompile
+
+
+#: Rows of each step's batch: 3 settling (two sizes, so the regions are dynamic before the
+#: turns), then eager's turns 16 and 48 rows, compiled's 4 and 12, then 2 more.
+ROWS = [8, 4, 16, 16, 4, 48, 12, 16, 4, 48, 12, 8, 8]
+#: Each training step's own work, eager or compiled: this long a row.
+SECONDS_A_ROW = 0.002
+
+
+class RowsCostTime(pl.LightningModule):
+    """Blocks behind an embedding whose training step takes ``SECONDS_A_ROW`` a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        time.sleep(SECONDS_A_ROW * len(batch))
+        x = self.embed(batch)
+        for block in self.blocks:
+            x = x + block(x)
+        loss = x.pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_batches_of_varying_size_are_compared_at_one_size_and_cuda_graphs_not_tried(
+    tmp_path, caplog
+):
+    """The Trainer passes each step's batch to the gate: compiled (3 calls each 10 ms
+    slower) is slower than eager at every size, but drew the smaller batches in its
+    turns; scaled to one size, the gate reverts, and says how it scaled. A CUDA-graphs
+    candidate (which records one graph per shape) is not tried: the shapes varied."""
+    batches = [torch.randn(n, 6, generator=torch.Generator().manual_seed(n)) for n in ROWS]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    cuda_graphs = Candidate(CUDA_GRAPHS, {"backend": "aot_eager"}, cuda_graphs=True)
+    strategy = WithCandidates((cuda_graphs,), backend=SlowAotEager(seconds=0.01))
+    model, plain = RowsCostTime(), RowsCostTime()
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, strategy, DECIDED_AFTER + 2).fit(model, loader)
+    trainer(tmp_path, "auto", DECIDED_AFTER + 2).fit(plain, loader)
+    decision = strategy.payoff.decision
+    assert decision is not None and decision.chosen == "eager", decision
+    clock = strategy.payoff.phases[0].clock
+    timed_rows = ROWS[1 + SETTLE : DECIDED_AFTER]
+    assert clock.batch_elements() == [6 * n for n in timed_rows]
+    raw = clock.milliseconds()
+    assert statistics.median(raw[1::2]) < statistics.median(raw[0::2]), raw  # raw: compiled
+    assert decision.scaling is not None and decision.scaling.reference == 6 * 12
+    (skipped,) = decision.candidates
+    assert skipped.ms is None and not skipped.counts
+    assert "CUDA graphs not timed (not tried: the batches' shapes vary)" in str(decision)
+    assert "(batches of 24-288 elements, each step scaled to 72 by size^" in caplog.text
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
 @pytest.mark.inductor
