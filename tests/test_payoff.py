@@ -96,7 +96,7 @@ class PointwiseBlock(nn.Module):
     """60 chained cheap pointwise ops (multiply, add, clamp): inductor fuses them into one
     kernel each way, where eager runs (and dispatches) 60 and reads and writes the tensor
     each time. One block forward and backward on one thread, alone: compiled 0.32x
-    eager's at 64 x 64, 0.19x at 4096 x 64. Not ``tanh`` or ``sigmoid``: on this CPU
+    eager's at 64 x 64, 0.36x at 512 x 64, 0.19x at 4096 x 64. Not ``tanh`` or ``sigmoid``: on this CPU
     inductor's vectorized ``tanh`` and ``exp`` are slower than ATen's eager kernels (24
     chained ``tanh`` on 512 x 64, forward: compiled 2.2 ms, eager 0.22), so such a chain
     is faster compiled only where dispatch dominates (a small tensor), and the gate rightly
@@ -137,11 +137,12 @@ class PointwiseModule(pl.LightningModule):
 
 
 def fit_on_one_thread(tmp_path, strategy, steps: int) -> PointwiseModule:
-    """``steps`` steps of ``PointwiseModule`` on one intra-op thread (one core: no OpenMP
-    barrier in a tiny kernel beside a busy one)."""
+    """``steps`` steps of ``PointwiseModule`` on batches of 512 x 64 (the gate's figures
+    here: compiled 0.30-0.32x eager's, 3 runs alone) on one intra-op thread (one core: no
+    OpenMP barrier in a small kernel beside a busy one)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    batches = torch.utils.data.DataLoader(torch.randn(steps * 64, 64), batch_size=64)
+    batches = torch.utils.data.DataLoader(torch.randn(steps * 512, 64), batch_size=512)
     module = PointwiseModule()
     try:
         trainer(tmp_path, strategy, steps).fit(module, batches)
