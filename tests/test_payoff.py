@@ -337,8 +337,8 @@ def test_a_fabric_module_that_is_one_region_gets_no_timing_hook():
 
 
 #: Rows of each step's batch: 3 settling (two sizes, so the regions are dynamic before the
-#: turns), then eager's turns 16 and 48 rows, compiled's 4 and 12, then 2 more.
-ROWS = [8, 4, 16, 16, 4, 48, 12, 16, 4, 48, 12, 8, 8]
+#: turns), then eager's turns 24 and 72 rows, compiled's 4 and 12, then 2 more.
+ROWS = [8, 4, 24, 24, 4, 72, 12, 24, 4, 72, 12, 8, 8]
 #: Each training step's own work, eager or compiled: this long a row.
 SECONDS_A_ROW = 0.002
 
@@ -392,7 +392,7 @@ def test_batches_of_varying_size_are_compared_at_one_size_and_cuda_graphs_not_tr
     (skipped,) = decision.candidates
     assert skipped.ms is None and not skipped.counts
     assert "CUDA graphs not timed (not tried: the batches' shapes vary)" in str(decision)
-    assert "(batches of 24-288 elements, each step scaled to 72 by size^" in caplog.text
+    assert "(batches of 24-432 elements, each step scaled to 72 by size^" in caplog.text
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
