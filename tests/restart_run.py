@@ -14,7 +14,8 @@ writes OUT_DIR/<mode>_killed.pt first; the worker that finishes on each agent wr
 OUT_DIR/<mode>_node<agent>.pt, with its global rank (c10d's rendezvous gives ranks in
 join order, so a restarted agent's worker may hold the other rank) and its restart count
 (the agent of the killed worker counts a restart; the other restarts its worker as a
-membership change, which torch does not count).
+membership change, which torch does not count, or as a failure where its worker's next
+collective fails on the closed connection first, which torch counts).
 """
 
 from __future__ import annotations

@@ -96,11 +96,11 @@ class PointwiseBlock(nn.Module):
     """60 chained cheap pointwise ops (multiply, add, clamp): inductor fuses them into one
     kernel each way, where eager runs (and dispatches) 60 and reads and writes the tensor
     each time. One block forward and backward on one thread, alone: compiled 0.32x
-    eager's at 64 x 64, 0.36x at 512 x 64, 0.19x at 4096 x 64. Not ``tanh`` or ``sigmoid``: on this CPU
-    inductor's vectorized ``tanh`` and ``exp`` are slower than ATen's eager kernels (24
-    chained ``tanh`` on 512 x 64, forward: compiled 2.2 ms, eager 0.22), so such a chain
-    is faster compiled only where dispatch dominates (a small tensor), and the gate rightly
-    reverts it on a large one."""
+    eager's at 64 x 64, 0.36x at 512 x 64, 0.19x at 4096 x 64. Not ``tanh`` or
+    ``sigmoid``: on this CPU inductor's vectorized ``tanh`` and ``exp`` are slower than
+    ATen's eager kernels (24 chained ``tanh`` on 512 x 64, forward: compiled 2.2 ms, eager
+    0.22), so such a chain is faster compiled only where dispatch dominates (a small
+    tensor), and the gate rightly reverts it on a large one."""
 
     def __init__(self, width: int) -> None:
         super().__init__()

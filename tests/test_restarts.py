@@ -74,8 +74,12 @@ def jobs(tmp_path_factory) -> dict[str, dict[str, dict]]:
 def test_a_killed_rank_restarts_warm_on_both_nodes_with_the_uninterrupted_losses(jobs):
     plain, regional = jobs["plain"], jobs["regional"]
     assert regional["killed"]["global_rank"] in (0, 1)
-    restarts = sorted(regional[node]["restart_count"] for node in ("node0", "node1"))
-    assert restarts == [0, 1]  # the killed worker's agent counted its one restart
+    restarts = {node: regional[node]["restart_count"] for node in ("node0", "node1")}
+    # The killed worker's agent (node 1) counted its one restart. The other restarts its
+    # worker as a membership change (not counted) or, where that worker's next all-reduce
+    # failed on the closed connection before its agent saw the waiting node, as a failure
+    # (counted): seen on torch 2.11, "Connection closed by peer" 0.9 s after the kill.
+    assert restarts["node1"] == 1 and restarts["node0"] in (0, 1), restarts
     whole = losses_by_rank(plain)
     assert sorted(losses_by_rank(regional)) == sorted(whole) == [0, 1]
     for node in ("node0", "node1"):
