@@ -51,7 +51,9 @@ elements by ``size ** k`` before the medians (``at_one_size``): ``k`` is the med
 of log time against log elements over pairs of steps of one way (Theil-Sen: one recompile
 or a slow step moves it little), kept in ``[0, 2]`` (0 where a step's time does not grow
 with its batch, a launch-bound one; 1 where it grows as the batch, 2 for attention's
-square). Where every batch has one size nothing is scaled. A candidate that needs static
+square). Under several processes a step's size is the largest any of them had (a
+synchronous step waits for the slowest; ``largest_over_processes``, one all-reduce at the
+decision). Where every batch has one size nothing is scaled. A candidate that needs static
 shapes (CUDA graphs record one graph per shape) is not tried where the batches' shapes
 varied in the turns against eager.
 
@@ -309,13 +311,17 @@ class Phase:
         timed = self.marks - 1  # steps timed so far
         return self.challenger if timed % 2 == 0 else self.incumbent
 
-    def medians(self) -> tuple[float, float]:
+    def batch_elements(self) -> list[int | None]:
+        """Its timed steps' batch elements on this process (none where it did not run)."""
+        return [] if self.clock is None else self.clock.batch_elements()
+
+    def medians(self, elements: list[int | None]) -> tuple[float, float]:
         """The incumbent's and the challenger's median step, in milliseconds, at one
-        batch size where the batches differed (``at_one_size``)."""
+        batch size where the steps' batch ``elements`` differed (``at_one_size``)."""
         assert self.clock is not None
         steps = self.clock.milliseconds()
         ways = [i % 2 for i in range(len(steps))]  # 0: the challenger's turn
-        steps, self.scaling = at_one_size(steps, self.clock.batch_elements(), ways)
+        steps, self.scaling = at_one_size(steps, elements, ways)
         return statistics.median(steps[1::2]), statistics.median(steps[0::2])
 
 
@@ -454,22 +460,54 @@ class CompilePayoff:
 
     def _decide(self, processes: Processes) -> PayoffDecision:
         first, *tried = self.phases
-        compiled_ms, eager_ms = first.medians()
+        elements = largest_over_processes(
+            [phase.batch_elements() for phase in self.phases], processes
+        )
+        compiled_ms, eager_ms = first.medians(elements[0])
         best_way, best_ms = COMPILED, compiled_ms
         figures = []
-        for phase in tried:
+        for phase, phase_elements in zip(tried, elements[1:], strict=True):
+            faster, scaled = False, best_ms
             if phase.skipped:
                 figures.append(Figure(phase.challenger, None, "; ".join(phase.notes), False))
-                continue
-            against, ms = phase.medians()  # compiled again, in turns with the candidate
-            figures.append(Figure(phase.challenger, ms, "; ".join(phase.notes), phase.counts))
-            scaled = ms * compiled_ms / against  # on the first phase's scale, beside eager's
-            faster = phase.counts and scaled <= (1 - EDGE) * best_ms
+            else:
+                against, ms = phase.medians(phase_elements)  # compiled again, in turns
+                figures.append(Figure(phase.challenger, ms, "; ".join(phase.notes), phase.counts))
+                scaled = ms * compiled_ms / against  # on the first phase's scale, beside eager's
+                faster = phase.counts and scaled <= (1 - EDGE) * best_ms
+            # every process calls each reduction, whatever it skipped, so none waits alone
             if processes.reduce_boolean_decision(faster, all=True):
                 best_way, best_ms = phase.challenger, scaled
         kept = processes.reduce_boolean_decision(best_ms <= (1 - EDGE) * eager_ms, all=True)
         chosen = best_way if kept else EAGER
         return PayoffDecision(compiled_ms, eager_ms, chosen, tuple(figures), first.scaling)
+
+
+def largest_over_processes(
+    phases: list[list[int | None]], processes: Processes
+) -> list[list[int | None]]:
+    """Each phase's steps' batch elements (``Phase.batch_elements``), the largest over the
+    job's processes: a synchronous step (DDP's gradient all-reduce) takes about as long as
+    its slowest rank's, which is the one with the most work. A phase where any process
+    lacks a step's size comes back all None (compared unscaled). One all-reduce of every
+    phase at once, which every process makes alike; as they are in one process."""
+    world = getattr(processes, "world_size", 1)
+    if world <= 1 or not torch.distributed.is_initialized():
+        return phases
+    width = 2 * WINDOW
+    payload: list[int] = []
+    for elements in phases:
+        known = len(elements) == width and all(elements)
+        sizes = [n or 0 for n in elements][:width]
+        payload += sizes + [0] * (width - len(sizes)) + [-1 if known else 0]
+    tensor = torch.tensor(payload, dtype=torch.int64, device=processes.root_device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    values = tensor.tolist()
+    largest: list[list[int | None]] = []
+    for index in range(len(phases)):
+        chunk = values[index * (width + 1) : (index + 1) * (width + 1)]
+        largest.append(list(chunk[:width]) if chunk[width] == -1 else [None] * width)
+    return largest
 
 
 def _reserved(device: torch.device) -> int:

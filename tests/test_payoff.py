@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import pickle
 import statistics
 import time
@@ -14,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import SMALL, SlowAotEager, data, gpt, trainer
+from processes import free_port
 from torch import nn
 
 from examples.lightning_gpt import GPTModule
@@ -27,6 +29,7 @@ from lightning_regions.payoff import (
     Candidate,
     StepClock,
     at_one_size,
+    largest_over_processes,
 )
 
 #: Optimizer steps until the decision: the first compiled, the settling ones, the turns.
@@ -235,6 +238,38 @@ def test_a_step_records_the_elements_of_its_micro_batches():
     clock.mark()
     assert clock.batch_elements() == [12 + 4 + 6, None]
     assert clock.shapes == {((4, 3), (4,)), ((2, 3),)}
+
+
+class TwoGlooProcesses:
+    """What ``largest_over_processes`` asks of a strategy, in a process of two."""
+
+    world_size = 2
+    root_device = torch.device("cpu")
+
+
+def largest_on_rank(rank: int, port: int, phases_by_rank: list, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        largest = largest_over_processes(phases_by_rank[rank], TwoGlooProcesses())
+        torch.save(largest, os.path.join(out, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_every_rank_scales_by_the_largest_batch_of_each_step(tmp_path):
+    """A synchronous DDP step takes about as long as its slowest rank's: every rank's
+    gate sees, for each timed step, the most elements any rank had (one all-reduce over
+    gloo); a phase that one rank lacks a size for, or did not run, is unscaled on all."""
+    width = 2 * WINDOW
+    rank0 = [[10, 40] * WINDOW, [5] * width, []]
+    rank1 = [[30, 20] * WINDOW, [5] * (width - 1) + [None], []]
+    args = (free_port(), [rank0, rank1], str(tmp_path))
+    torch.multiprocessing.spawn(largest_on_rank, args=args, nprocs=2)
+    expected = [[30, 40] * WINDOW, [None] * width, [None] * width]
+    assert [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)] == [expected, expected]
+    assert largest_over_processes(rank0, object()) == rank0  # one process: its own
 
 
 #: A validation this long every 2 steps lands on one way's turns alone (turns go step by
