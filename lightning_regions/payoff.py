@@ -259,11 +259,11 @@ class StepClock:
         adds its batch (gradient accumulation calls it once per micro-batch)."""
         if self.marks:
             step = len(self.marks) - 1
-            self.starts.setdefault(step, self._now())
-            if batch is not None:
+            if batch is not None:  # read before the start: not in the step's time
                 elements, shapes = batch_signature(batch)
                 self.elements[step] = self.elements.get(step, 0) + elements
                 self.shapes.add(shapes)
+            self.starts.setdefault(step, self._now())
 
     def batch_elements(self) -> list[int | None]:
         """Each step's batches' elements (None where no batch was given)."""
@@ -498,7 +498,7 @@ def largest_over_processes(
     payload: list[int] = []
     for elements in phases:
         known = len(elements) == width and all(elements)
-        sizes = [n or 0 for n in elements][:width]
+        sizes = [n or 0 for n in elements]  # a phase's 2 * WINDOW steps, or none
         payload += sizes + [0] * (width - len(sizes)) + [-1 if known else 0]
     tensor = torch.tensor(payload, dtype=torch.int64, device=processes.root_device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
