@@ -366,6 +366,12 @@ def cudagraph_skips() -> int:
     return int(dynamo_counters["inductor"]["cudagraph_skips"])
 
 
+def frames_compiled() -> int:
+    """Frames dynamo set out to compile in this process so far (a first compile or a
+    recompile, any backend): unchanged over a step that only ran compiled code."""
+    return int(dynamo_counters["frames"]["total"])
+
+
 def cache_counts() -> dict[str, int]:
     """This process's FX-graph and AOTAutograd cache hits and misses so far."""
     return {

@@ -52,10 +52,16 @@ of log time against log elements over pairs of steps of one way (Theil-Sen: one 
 or a slow step moves it little), kept in ``[0, 2]`` (0 where a step's time does not grow
 with its batch, a launch-bound one; 1 where it grows as the batch, 2 for attention's
 square). Under several processes a step's size is the largest any of them had (a
-synchronous step waits for the slowest; ``largest_over_processes``, one all-reduce at the
+synchronous step waits for the slowest; ``agreed_over_processes``, one all-reduce at the
 decision). Where every batch has one size nothing is scaled. A candidate that needs static
 shapes (CUDA graphs record one graph per shape) is not tried where the batches' shapes
 varied in the turns against eager.
+
+A timed step in which dynamo compiled (a recompile for a new shape, an epoch's smaller
+last batch; ``StepClock.compiled_steps``, from its training's start to its end, agreed
+over the processes: the others waited for it) holds seconds of compiling in a step of
+milliseconds: it is left out of the medians, and the log line says how many were, unless
+that would leave a way with no step (then all count).
 
 What it costs: ``WINDOW`` steps run eager where compiled may be faster, so a run of 1,000
 steps whose compiled step is ``r`` times faster than eager loses ``WINDOW * (r - 1) /
@@ -71,13 +77,14 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from .compat import cudagraph_skips
+from .compat import cudagraph_skips, frames_compiled
 from .compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
 from .options import RegionalOptions
 
@@ -198,17 +205,24 @@ def at_one_size(
     return scaled, SizeScaling(min(known), max(known), reference, exponent)
 
 
+def not_counted(steps: int) -> str:
+    """What to say of ``steps`` timed steps left out of the medians for compiling."""
+    return f"{steps} timed step{'' if steps == 1 else 's'} that compiled not counted"
+
+
 @dataclass(frozen=True)
 class PayoffDecision:
     """The medians this process measured, and what every process decided: ``chosen``
     is ``"compiled"``, ``"eager"`` or a candidate's name; ``scaling``: how the steps'
-    times were scaled to one batch size, where the batches differed."""
+    times were scaled to one batch size, where the batches differed; ``uncounted``: timed
+    steps left out of the medians because dynamo compiled in them."""
 
     compiled_ms: float
     eager_ms: float
     chosen: str
     candidates: tuple[Figure, ...] = ()
     scaling: SizeScaling | None = None
+    uncounted: int = 0
 
     @property
     def kept(self) -> bool:
@@ -223,21 +237,27 @@ class PayoffDecision:
             what = "regions kept compiled"
         else:
             what = f"regions kept compiled, with {self.chosen}"
-        scaled = f" ({self.scaling})" if self.scaling is not None else ""
+        how = [str(self.scaling)] if self.scaling is not None else []
+        how += [not_counted(self.uncounted)] if self.uncounted else []
+        measured = f" ({'; '.join(how)})" if how else ""
         return (
             f"compiled {self.compiled_ms:.1f} ms{others} vs eager {self.eager_ms:.1f} ms a "
-            f"step{scaled}: {what}"
+            f"step{measured}: {what}"
         )
 
 
 class StepClock:
     """Marks at step boundaries, where a step's training began after its boundary (the
-    wall clock, or CUDA events on a CUDA device), and the batches it trained on."""
+    wall clock, or CUDA events on a CUDA device), the batches it trained on, and whether
+    dynamo compiled anything while it trained (``compiles``: a count that grows)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, compiles: Callable[[], int] = frames_compiled) -> None:
         self.cuda = device.type == "cuda"
+        self.compiles = compiles
         self.marks: list[Any] = []
+        self.compiles_at_marks: list[int] = []
         self.starts: dict[int, Any] = {}  # the step after mark i began training here
+        self.compiles_at_starts: dict[int, int] = {}  # ... with this many compiles so far
         self.elements: dict[int, int] = {}  # ... on batches of this many elements in all
         self.shapes: set[tuple[tuple[int, ...], ...]] = set()  # every batch's shapes
 
@@ -251,6 +271,7 @@ class StepClock:
     def mark(self) -> None:
         """A step boundary: one step ends, the next begins (until ``training_starts``)."""
         self.marks.append(self._now())
+        self.compiles_at_marks.append(self.compiles())
 
     def training_starts(self, batch: Any = None) -> None:
         """The step after the last boundary begins its training (on ``batch``, where
@@ -263,11 +284,23 @@ class StepClock:
                 elements, shapes = batch_signature(batch)
                 self.elements[step] = self.elements.get(step, 0) + elements
                 self.shapes.add(shapes)
-            self.starts.setdefault(step, self._now())
+            if step not in self.starts:
+                self.compiles_at_starts[step] = self.compiles()
+                self.starts[step] = self._now()
 
     def batch_elements(self) -> list[int | None]:
         """Each step's batches' elements (None where no batch was given)."""
         return [self.elements.get(i) for i in range(len(self.marks) - 1)]
+
+    def compiled_steps(self) -> list[bool]:
+        """Whether dynamo compiled anything in each step, from its training's start (or
+        its boundary) to the next boundary: a first compile or a recompile (a new shape),
+        seconds where the step's own work is milliseconds."""
+        at_marks = self.compiles_at_marks
+        return [
+            at_marks[i + 1] > self.compiles_at_starts.get(i, at_marks[i])
+            for i in range(len(at_marks) - 1)
+        ]
 
     def milliseconds(self) -> list[float]:
         """Each step's time, from its training's start (or its boundary) to the next
@@ -277,6 +310,15 @@ class StepClock:
             self.marks[-1].synchronize()
             return [a.elapsed_time(b) for a, b in zip(begins, self.marks[1:], strict=True)]
         return [1000 * (b - a) for a, b in zip(begins, self.marks[1:], strict=True)]
+
+
+@dataclass(frozen=True)
+class TimedSteps:
+    """A phase's timed steps, as every process saw them: each step's batch elements
+    (None: not known) and whether dynamo compiled in it."""
+
+    elements: list[int | None]
+    compiled: list[bool]
 
 
 @dataclass
@@ -297,6 +339,7 @@ class Phase:
     notes: list[str] = field(default_factory=list)
     skipped: bool = False  # not run: its candidate needs static shapes, and they varied
     scaling: SizeScaling | None = None  # set by ``medians``
+    uncounted: int = 0  # timed steps that compiled, left out by ``medians``
 
     @property
     def marks(self) -> int:
@@ -311,18 +354,30 @@ class Phase:
         timed = self.marks - 1  # steps timed so far
         return self.challenger if timed % 2 == 0 else self.incumbent
 
-    def batch_elements(self) -> list[int | None]:
-        """Its timed steps' batch elements on this process (none where it did not run)."""
-        return [] if self.clock is None else self.clock.batch_elements()
+    def timed_steps(self) -> TimedSteps:
+        """Its timed steps on this process (none where it did not run)."""
+        if self.clock is None:
+            return TimedSteps([], [])
+        return TimedSteps(self.clock.batch_elements(), self.clock.compiled_steps())
 
-    def medians(self, elements: list[int | None]) -> tuple[float, float]:
-        """The incumbent's and the challenger's median step, in milliseconds, at one
-        batch size where the steps' batch ``elements`` differed (``at_one_size``)."""
+    def medians(self, timed: TimedSteps) -> tuple[float, float]:
+        """The incumbent's and the challenger's median step, in milliseconds, leaving out
+        the steps that ``timed`` says compiled (where each way keeps one), at one batch
+        size where the steps' batch elements differed (``at_one_size``)."""
         assert self.clock is not None
         steps = self.clock.milliseconds()
         ways = [i % 2 for i in range(len(steps))]  # 0: the challenger's turn
-        steps, self.scaling = at_one_size(steps, elements, ways)
-        return statistics.median(steps[1::2]), statistics.median(steps[0::2])
+        counted = [i for i, compiled in enumerate(timed.compiled) if not compiled]
+        if {ways[i] for i in counted} != {0, 1}:  # a way would have none: count them all
+            counted = list(range(len(steps)))
+        self.uncounted = len(steps) - len(counted)
+        if self.uncounted:
+            self.notes.append(not_counted(self.uncounted))
+        ways = [ways[i] for i in counted]
+        elements = [timed.elements[i] for i in counted]
+        scaled, self.scaling = at_one_size([steps[i] for i in counted], elements, ways)
+        by_way = [[ms for ms, way in zip(scaled, ways, strict=True) if way == w] for w in (1, 0)]
+        return statistics.median(by_way[0]), statistics.median(by_way[1])
 
 
 class TrainingForwardHook:
@@ -460,18 +515,16 @@ class CompilePayoff:
 
     def _decide(self, processes: Processes) -> PayoffDecision:
         first, *tried = self.phases
-        elements = largest_over_processes(
-            [phase.batch_elements() for phase in self.phases], processes
-        )
-        compiled_ms, eager_ms = first.medians(elements[0])
+        timed = agreed_over_processes([phase.timed_steps() for phase in self.phases], processes)
+        compiled_ms, eager_ms = first.medians(timed[0])
         best_way, best_ms = COMPILED, compiled_ms
         figures = []
-        for phase, phase_elements in zip(tried, elements[1:], strict=True):
+        for phase, phase_timed in zip(tried, timed[1:], strict=True):
             faster, scaled = False, best_ms
             if phase.skipped:
                 figures.append(Figure(phase.challenger, None, "; ".join(phase.notes), False))
             else:
-                against, ms = phase.medians(phase_elements)  # compiled again, in turns
+                against, ms = phase.medians(phase_timed)  # compiled again, in turns
                 figures.append(Figure(phase.challenger, ms, "; ".join(phase.notes), phase.counts))
                 scaled = ms * compiled_ms / against  # on the first phase's scale, beside eager's
                 faster = phase.counts and scaled <= (1 - EDGE) * best_ms
@@ -480,34 +533,40 @@ class CompilePayoff:
                 best_way, best_ms = phase.challenger, scaled
         kept = processes.reduce_boolean_decision(best_ms <= (1 - EDGE) * eager_ms, all=True)
         chosen = best_way if kept else EAGER
-        return PayoffDecision(compiled_ms, eager_ms, chosen, tuple(figures), first.scaling)
+        return PayoffDecision(
+            compiled_ms, eager_ms, chosen, tuple(figures), first.scaling, first.uncounted
+        )
 
 
-def largest_over_processes(
-    phases: list[list[int | None]], processes: Processes
-) -> list[list[int | None]]:
-    """Each phase's steps' batch elements (``Phase.batch_elements``), the largest over the
-    job's processes: a synchronous step (DDP's gradient all-reduce) takes about as long as
-    its slowest rank's, which is the one with the most work. A phase where any process
-    lacks a step's size comes back all None (compared unscaled). One all-reduce of every
-    phase at once, which every process makes alike; as they are in one process."""
+def agreed_over_processes(phases: list[TimedSteps], processes: Processes) -> list[TimedSteps]:
+    """Each phase's timed steps (``Phase.timed_steps``) as the job ran them: a synchronous
+    step (DDP's gradient all-reduce) takes about as long as its slowest rank's, so a
+    step's batch elements are the largest over the processes (the rank with the most
+    work), and a step compiled where any process compiled in it (the others waited). A
+    phase where any process lacks a step's size comes back with sizes all None (compared
+    unscaled). One all-reduce of every phase at once, which every process makes alike;
+    as they are in one process."""
     world = getattr(processes, "world_size", 1)
     if world <= 1 or not torch.distributed.is_initialized():
         return phases
     width = 2 * WINDOW
     payload: list[int] = []
-    for elements in phases:
-        known = len(elements) == width and all(elements)
-        sizes = [n or 0 for n in elements]  # a phase's 2 * WINDOW steps, or none
+    for timed in phases:  # each a phase's 2 * WINDOW steps, or none
+        known = len(timed.elements) == width and all(timed.elements)
+        sizes = [n or 0 for n in timed.elements]
+        compiled = [int(flag) for flag in timed.compiled]
         payload += sizes + [0] * (width - len(sizes)) + [-1 if known else 0]
+        payload += compiled + [0] * (width - len(compiled))
     tensor = torch.tensor(payload, dtype=torch.int64, device=processes.root_device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     values = tensor.tolist()
-    largest: list[list[int | None]] = []
+    agreed: list[TimedSteps] = []
+    stride = 2 * width + 1
     for index in range(len(phases)):
-        chunk = values[index * (width + 1) : (index + 1) * (width + 1)]
-        largest.append(list(chunk[:width]) if chunk[width] == -1 else [None] * width)
-    return largest
+        chunk = values[index * stride : (index + 1) * stride]
+        largest: list[int | None] = list(chunk[:width]) if chunk[width] == -1 else [None] * width
+        agreed.append(TimedSteps(largest, [bool(flag) for flag in chunk[width + 1 :]]))
+    return agreed
 
 
 def _reserved(device: torch.device) -> int:

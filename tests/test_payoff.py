@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import os
 import pickle
 import statistics
@@ -27,9 +28,11 @@ from lightning_regions.payoff import (
     SETTLE,
     WINDOW,
     Candidate,
+    Phase,
     StepClock,
+    TimedSteps,
+    agreed_over_processes,
     at_one_size,
-    largest_over_processes,
 )
 
 #: Optimizer steps until the decision: the first compiled, the settling ones, the turns.
@@ -240,36 +243,90 @@ def test_a_step_records_the_elements_of_its_micro_batches():
     assert clock.shapes == {((4, 3), (4,)), ((2, 3),)}
 
 
+def test_a_step_that_compiled_is_marked_from_its_training_start():
+    """``StepClock.compiled_steps``: a step compiled where the count grew between its
+    training's start (or its boundary) and the next boundary; a compile before its
+    training started (a validation's, between the boundary and the start) is not its."""
+    compiles = [0]
+    clock = StepClock(torch.device("cpu"), compiles=lambda: compiles[0])
+    clock.mark()
+    clock.training_starts()
+    compiles[0] += 1  # in the step
+    clock.mark()
+    compiles[0] += 1  # a validation's compile, before the step's training
+    clock.training_starts()
+    clock.mark()
+    compiles[0] += 1  # no training start: from the boundary
+    clock.mark()
+    clock.mark()
+    assert clock.compiled_steps() == [True, False, True, False]
+
+
+def phase_of(ms: list[float]) -> Phase:
+    """A phase whose ``2 * WINDOW`` timed steps took ``ms`` (the challenger's turn first)."""
+    phase = Phase("compiled", "eager", SETTLE + 1, clock=StepClock(torch.device("cpu")))
+    phase.clock.marks = list(itertools.accumulate([0.0, *(t / 1000 for t in ms)]))
+    return phase
+
+
+def test_steps_that_compiled_are_left_out_of_the_medians_unless_a_way_would_have_none():
+    """Two of compiled's four timed steps recompiled: counted, compiled's median is
+    eager's 25x; left out, it is its own steps' 0.5x, and the phase says how many were
+    left out. Where every step of one way compiled, all count."""
+    ms = [10.0, 5.0, 10.0, 500.0, 10.0, 700.0, 10.0, 5.0]
+    compiled = [i in (3, 5) for i in range(8)]
+    counted = phase_of(ms).medians(TimedSteps([None] * 8, [False] * 8))
+    assert counted == pytest.approx((252.5, 10.0))
+    phase = phase_of(ms)
+    assert phase.medians(TimedSteps([None] * 8, compiled)) == pytest.approx((5.0, 10.0))
+    assert phase.uncounted == 2 and phase.notes == ["2 timed steps that compiled not counted"]
+    every = phase_of(ms)
+    all_compiled = TimedSteps([None] * 8, [i % 2 == 1 for i in range(8)])
+    assert every.medians(all_compiled) == pytest.approx((252.5, 10.0))
+    assert every.uncounted == 0 and every.notes == []
+
+
 class TwoGlooProcesses:
-    """What ``largest_over_processes`` asks of a strategy, in a process of two."""
+    """What ``agreed_over_processes`` asks of a strategy, in a process of two."""
 
     world_size = 2
     root_device = torch.device("cpu")
 
 
-def largest_on_rank(rank: int, port: int, phases_by_rank: list, out: str) -> None:
+def agreed_on_rank(rank: int, port: int, phases_by_rank: list, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        largest = largest_over_processes(phases_by_rank[rank], TwoGlooProcesses())
-        torch.save(largest, os.path.join(out, f"{rank}.pt"))
+        agreed = agreed_over_processes(phases_by_rank[rank], TwoGlooProcesses())
+        torch.save([(t.elements, t.compiled) for t in agreed], os.path.join(out, f"{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
 
 @pytest.mark.ddp
-def test_every_rank_scales_by_the_largest_batch_of_each_step(tmp_path):
+def test_every_rank_scales_by_the_largest_batch_and_leaves_out_any_rank_s_compiles(tmp_path):
     """A synchronous DDP step takes about as long as its slowest rank's: every rank's
-    gate sees, for each timed step, the most elements any rank had (one all-reduce over
-    gloo); a phase that one rank lacks a size for, or did not run, is unscaled on all."""
+    gate sees, for each timed step, the most elements any rank had, and a compile where
+    any rank compiled (one all-reduce over gloo); a phase that one rank lacks a size for,
+    or did not run, is unscaled on all."""
     width = 2 * WINDOW
-    rank0 = [[10, 40] * WINDOW, [5] * width, []]
-    rank1 = [[30, 20] * WINDOW, [5] * (width - 1) + [None], []]
+    no, at_1, at_6 = [False] * width, [i == 1 for i in range(width)], [i == 6 for i in range(width)]
+    rank0 = [
+        TimedSteps([10, 40] * WINDOW, at_1),
+        TimedSteps([5] * width, no),
+        TimedSteps([], []),
+    ]
+    rank1 = [
+        TimedSteps([30, 20] * WINDOW, at_6),
+        TimedSteps([5] * (width - 1) + [None], no),
+        TimedSteps([], []),
+    ]
     args = (free_port(), [rank0, rank1], str(tmp_path))
-    torch.multiprocessing.spawn(largest_on_rank, args=args, nprocs=2)
-    expected = [[30, 40] * WINDOW, [None] * width, [None] * width]
+    torch.multiprocessing.spawn(agreed_on_rank, args=args, nprocs=2)
+    either = [i in (1, 6) for i in range(width)]
+    expected = [([30, 40] * WINDOW, either), ([None] * width, no), ([None] * width, no)]
     assert [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)] == [expected, expected]
-    assert largest_over_processes(rank0, object()) == rank0  # one process: its own
+    assert agreed_over_processes(rank0, object()) == rank0  # one process: its own
 
 
 #: A validation this long every 2 steps lands on one way's turns alone (turns go step by
@@ -546,4 +603,80 @@ def test_a_fabric_loop_that_stops_mid_turn_evaluates_compiled_and_trains_as_plai
     torch.testing.assert_close(gpt_(idx), plain.module(idx))
     assert ran == []  # the eager turn: training calls eager
     for (name, p), q in zip(gpt_.named_parameters(), plain.module.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+#: Each eager block call's own extra work, which its compiled call skips: compiled is
+#: clearly faster (a step 3 x 5 ms shorter), as the gate should find.
+EAGER_SECONDS_A_BLOCK = 0.005
+#: The steps whose training recompiles the blocks: compiled's 1st and 2nd timed turns.
+RECOMPILED_AT = (1 + SETTLE + 1, 1 + SETTLE + 3)
+
+
+class BranchBlock(nn.Module):
+    """A block whose ``branch`` picks one of three ways to double: all compute the same,
+    but dynamo guards on the branch, so setting ``branch`` recompiles the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.branch = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            time.sleep(EAGER_SECONDS_A_BLOCK)
+        y = self.linear(x)
+        if self.branch == 0:
+            y = y * 2
+        elif self.branch == 1:
+            y = y + y
+        else:
+            y = 2 * y
+        return torch.tanh(y)
+
+
+class BranchBlocks(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(BranchBlock() for _ in range(3))
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if batch_idx in RECOMPILED_AT:  # before the step's training: it recompiles in it
+            for block in self.blocks:
+                block.branch = RECOMPILED_AT.index(batch_idx) + 1
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch
+        for block in self.blocks:
+            x = x + block(x)
+        loss = x.pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def test_timed_steps_that_recompiled_are_left_out_and_a_faster_compile_is_kept(tmp_path, caplog):
+    """Two of compiled's four timed turns recompile (the blocks' branch changes): counted,
+    those seconds of compiling would make compiled's median the slower and revert it;
+    left out, the gate keeps the regions compiled (each eager step 15 ms longer), says
+    how many steps it left out, and training equals plain Lightning's."""
+    batches = torch.utils.data.DataLoader(torch.randn(4 * STEPS, 6), batch_size=4)
+    strategy = RegionalCompileStrategy(backend="aot_eager")
+    model, plain = BranchBlocks(), BranchBlocks()
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, strategy, STEPS).fit(model, batches)
+    trainer(tmp_path, "auto", STEPS).fit(plain, batches)
+    decision = strategy.payoff.decision
+    clock = strategy.payoff.phases[0].clock
+    raw = clock.milliseconds()
+    assert clock.compiled_steps() == [i in (1, 3) for i in range(2 * WINDOW)], raw
+    assert statistics.median(raw[1::2]) > statistics.median(raw[0::2]), raw  # counted: eager
+    assert decision is not None and decision.kept and decision.uncounted == 2, (decision, raw)
+    assert "a step (2 timed steps that compiled not counted): regions kept compiled" in caplog.text
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
