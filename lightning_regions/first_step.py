@@ -100,8 +100,11 @@ def runtime_summary(report: RegionReport) -> str:
     line per class whose extra graphs are bounded (variants, a per-instance number) and
     one for regions never called; what loses something is warned about instead."""
     recompiles = sum(entry.recompiles for entry in report.recompiles)
+    graphs = f"{report.graphs} graph(s) compiled"
+    if report.graphs == 0 and any(row.compiled_calls for row in report.rows):
+        graphs += " (the regions ran code compiled earlier in this process)"
     lines = [
-        f"regional compile after first step: {report.graphs} graph(s) compiled, "
+        f"regional compile after first step: {graphs}, "
         f"{recompiles} recompile(s), {report.graph_breaks} graph break(s), "
         f"{report.compile_seconds:.2f}s in the backend, "
         f"{len(report.ran_eager)} region(s) called without a compiled call"

@@ -129,10 +129,11 @@ def test_checkpoint_written_while_compiled_loads_strictly_into_the_plain_module(
     assert not any("_orig_mod" in key for key in state)
 
 
-def test_resume_from_checkpoint_gives_the_uninterrupted_losses(tmp_path):
+def test_resume_from_checkpoint_gives_the_uninterrupted_losses(tmp_path, caplog):
     # One batch per epoch: Lightning 2.6 does not replay a plain DataLoader's order
     # exactly after a resume (plain Lightning differs too), so the data is held fixed
-    # and what must come back is the weights and the optimizer state.
+    # and what must come back is the weights and the optimizer state. The resume, in the
+    # process that compiled the blocks' code, compiles nothing new, and says why.
     def run(model, steps, root, **kwargs):
         checkpoint = ModelCheckpoint(dirpath=root, save_last=True)
         strategy = RegionalCompileStrategy(backend="eager")
@@ -143,8 +144,15 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_losses(tmp_path):
     run(straight, 6, tmp_path / "a")
     run(first, 3, tmp_path / "b")
     resumed = gpt(seed=123)  # a different init: everything must come from the checkpoint
-    run(resumed, 6, tmp_path / "b", ckpt_path=tmp_path / "b" / "last.ckpt")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        run(resumed, 6, tmp_path / "b", ckpt_path=tmp_path / "b" / "last.ckpt")
     assert first.losses + resumed.losses == pytest.approx(straight.losses, rel=1e-5)
+    assert (
+        "after first step: 0 graph(s) compiled (the regions ran code compiled earlier in this "
+        "process), 0 recompile(s)" in caplog.text
+    )
+    assert "0 region(s) called without a compiled call" in caplog.text
 
 
 # --- the tie check ---------------------------------------------------------------
