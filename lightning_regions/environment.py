@@ -97,8 +97,8 @@ class CompileEnvironment:
         self.disable_training_kv_cache = disable_training_kv_cache
         self.unspecialize_module_ints = unspecialize_module_ints
         self.whole_graphs_under_ddp = whole_graphs_under_ddp
-        self._kv_cache_module: Any = None
-        self._generation_module: Any = None
+        self._kv_cache_modules: list[Any] = []  # each module entered (Fabric: several)
+        self._generation_modules: list[Any] = []
         self._module_ints_release: weakref.finalize | None = None
         self._ddp_split_release: weakref.finalize | None = None
 
@@ -106,7 +106,7 @@ class CompileEnvironment:
         if self.disable_training_kv_cache:
             models = disable_kv_cache_unless_asked(module)
             if models:
-                self._kv_cache_module = module
+                self._kv_cache_modules.append(module)
                 rank_zero_info(
                     "regional compile: transformers KV cache off in forwards that do not pass "
                     f"use_cache (a training or validation step never reads it, and each layer "
@@ -115,7 +115,7 @@ class CompileEnvironment:
                 )
         generating = eager_generation(module)
         if generating:
-            self._generation_module = module
+            self._generation_modules.append(module)
             rank_zero_info(
                 f"regional compile: generate() of {', '.join(generating)} runs eager, as "
                 "plain Lightning runs it (compiled, each cached forward would compile the "
@@ -135,9 +135,8 @@ class CompileEnvironment:
         if self._ddp_split_release is not None:
             self._ddp_split_release()
             self._ddp_split_release = None
-        if self._kv_cache_module is not None:
-            restore_kv_cache(self._kv_cache_module)
-            self._kv_cache_module = None
-        if self._generation_module is not None:
-            restore_generation(self._generation_module)
-            self._generation_module = None
+        for module in self._kv_cache_modules:
+            restore_kv_cache(module)
+        for module in self._generation_modules:
+            restore_generation(module)
+        self._kv_cache_modules, self._generation_modules = [], []

@@ -7,6 +7,8 @@ device (``module_to_device``, unless ``move_to_device=False``), then calls
 before any wrapper. The optimizer already exists, but in-place compilation keeps every
 ``Parameter``, so it holds the right objects. After the first ``optimizer.step()`` the
 strategy logs the same one-line summary as the Trainer strategies and ends observation.
+A loop may set up several modules (a GAN's generator and discriminator, each with its
+optimizer): each is compiled, reported and timed, and one step is one step of them all.
 
 Importing this module registers ``"regional_compile"`` and ``"regional_compile_ddp"`` in
 Fabric's strategy registry: ``Fabric(strategy="regional_compile")``.
@@ -40,8 +42,12 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     ``trust_unsigned_artifacts``: Fabric's checkpoints carry no compile artifacts) and
     the Fabric strategy's own arguments, all keyword-only."""
 
-    _module: nn.Module | None = None
-    _timing_hook: RemovableHandle | None = None
+    #: The modules set up (a GAN's two, each with its optimizer), in order.
+    _modules: tuple[nn.Module, ...] = ()
+    _timing_hooks: tuple[RemovableHandle, ...] = ()
+    #: Ids of the optimizers that have stepped in this run, and since the last boundary.
+    _stepping: frozenset[int] = frozenset()
+    _stepped_since_boundary: frozenset[int] = frozenset()
     excluded_options = FABRIC_EXCLUDED
     #: Fabric has no teardown at the end of a loop: the gate's eager turns run training
     #: calls alone eager, so a loop that stops mid-turn evaluates compiled.
@@ -49,47 +55,70 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> Any:
+        if self.options.compile_in_background and any(m is not module for m in self._modules):
+            raise ValueError(
+                f"{type(self).__name__}(compile_in_background=True) compiles one module in "
+                f"one child process, and {type(self._modules[0]).__name__} is already set "
+                f"up; setting up {type(module).__name__} too would leave one of them eager. "
+                "Set them up as one module (fabric.setup(nn.ModuleDict({'generator': ..., "
+                "'discriminator': ...}), *optimizers)), or pass compile_in_background=False."
+            )
         self.compile_in_place(module, root_is_called=True)  # the loop calls the module
-        self._module = module
+        if all(m is not module for m in self._modules):
+            self._modules += (module,)
         return super().setup_module(module)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """A step boundary once every optimizer that steps in this loop has stepped since
+        the last one: a GAN's generator and discriminator steps are one step, not two of
+        two ways (an optimizer counts from its first step: one set up and never stepped
+        holds nothing back)."""
         output = super().optimizer_step(optimizer, **kwargs)
-        if self._module is not None:
+        self._stepping |= {id(optimizer)}
+        self._stepped_since_boundary |= {id(optimizer)}
+        if self._stepped_since_boundary < self._stepping:
+            return output  # another optimizer's step is still to come in this one
+        self._stepped_since_boundary = frozenset()
+        if self._modules:
             # Fabric's loop is the user's: the phase is what ran since the last step.
             phase = "the calls since the last optimizer step"
-            self.at_step_boundary(self._module, phase)
+            self.at_step_boundary(*self._modules, phase=phase)
             if self.payoff is not None and self.payoff.decision is None:
-                self._time_forwards(self._module)
+                self._time_forwards()
             else:
                 self._stop_timing_forwards()
         return output
 
-    def _time_forwards(self, module: nn.Module) -> None:
-        """While the keep-or-revert gate times steps, each starts at the module's first
-        forward with grad after an optimizer step (what the loop ran before it, its
-        validation, is not in the step): a hook of ours, on the module until the
-        decision or teardown. Not where the module is itself a region (no repeated
-        blocks): a hook added to a compiled call would recompile it; there a step is
-        timed from the last optimizer step."""
-        tracker = tracker_of(module)
-        if self._timing_hook is not None or tracker is None:
-            return
-        if any(region.module is module for region in tracker.plan.regions):
+    def _time_forwards(self) -> None:
+        """While the keep-or-revert gate times steps, each starts at the first forward
+        with grad of a module set up, after the step boundary (what the loop ran before
+        it, its validation, is not in the step): a hook of ours, on each module until the
+        decision or teardown. Not on a module that is itself a region (no repeated
+        blocks): a hook added to a compiled call would recompile it; where no module
+        takes one, a step is timed from the last boundary."""
+        if self._timing_hooks:
             return
         assert self.payoff is not None  # timing
-        self._timing_hook = module.register_forward_pre_hook(TrainingForwardHook(self.payoff))
+        hooks = []
+        for module in self._modules:
+            tracker = tracker_of(module)
+            if tracker is None or any(r.module is module for r in tracker.plan.regions):
+                continue
+            hooks.append(module.register_forward_pre_hook(TrainingForwardHook(self.payoff)))
+        self._timing_hooks = tuple(hooks)
 
     def _stop_timing_forwards(self) -> None:
-        if self._timing_hook is not None:
-            self._timing_hook.remove()
-            self._timing_hook = None
+        for hook in self._timing_hooks:
+            hook.remove()
+        self._timing_hooks = ()
 
     @override
     def teardown(self) -> None:
         super().teardown()
         self._stop_timing_forwards()
+        self._stepping = self._stepped_since_boundary = frozenset()
+        self._modules = ()
         self.leave_parts()
 
 

@@ -42,7 +42,7 @@ class FirstStepReporter:
 
     def __init__(self, recompile_warn_threshold: int | Literal["auto"] | None) -> None:
         self._threshold = recompile_warn_threshold
-        self.reported = False  # this setup's first optimizer step reported
+        self._reported: set[int] = set()  # modules whose first step this setup reported
         self.trained = False  # some optimizer step ran, in this or an earlier setup
 
     @property
@@ -56,19 +56,24 @@ class FirstStepReporter:
 
     def enter(self) -> None:
         """A new setup: its first optimizer step is reported again."""
-        self.reported = False
+        self._reported.clear()
+
+    def has_reported(self, module: Any) -> bool:
+        """Whether ``module``'s first optimizer step in this setup was reported."""
+        return id(module) in self._reported
 
     def after_optimizer_step(self, module: Any, phase: str = "training") -> None:
         """Watch recompiles; after the first step, report once and end observation."""
         tracker = tracker_of(module)
         if tracker is None:
             return
-        if self.reported:
+        if self.has_reported(module):
             self.watch_recompiles(module, phase)
             return
         if self.threshold is not None:
             tracker.watch.warn_storms(self.threshold)
-        self.reported = self.trained = True
+        self._reported.add(id(module))
+        self.trained = True
         report = region_report(module)
         end_observation(module)
         tracker.watch.new_limit_hits()  # the first step's are in the warnings below

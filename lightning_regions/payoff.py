@@ -77,7 +77,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -414,14 +414,19 @@ class CompilePayoff:
         self.phases: list[Phase] = []  # made at the first boundary, on the device
         self.decision: PayoffDecision | None = None
         self.cuda_graphs = False  # whether the regions' training calls may be CUDA graphs
-        self._module: Any = None  # the module timed, once timing began
+        self._modules: list[Any] = []  # the modules timed, once timing began
 
     def end(self) -> None:
         """The run ends: where it ended before the decision (mid-turn), the regions run
         compiled again, not the way that turn left them."""
-        if self.decision is None and self._module is not None:
-            use_region_calls(self._module, COMPILED)
+        if self.decision is None:
+            self._use(COMPILED)
             self.cuda_graphs = False
+
+    def _use(self, way: str) -> None:
+        """Run every timed module's regions ``way`` (``compile.use_region_calls``)."""
+        for module in self._modules:
+            use_region_calls(module, way)
 
     def training_starts(self, batch: Any = None) -> None:
         """A training step begins its forward on ``batch`` (the Trainer's
@@ -436,13 +441,17 @@ class CompilePayoff:
         """The first phase not done (None before the first boundary or once all are)."""
         return next((phase for phase in self.phases if not phase.done), None)
 
-    def at_step_boundary(self, module: Any, processes: Processes) -> PayoffDecision | None:
+    def at_step_boundary(
+        self, modules: Sequence[Any], processes: Processes
+    ) -> PayoffDecision | None:
+        """A step of ``modules`` (each with regions compiled in place; one step switches
+        them all to one way) ended."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier outputs are done
-        tracker = tracker_of(module)
-        if self.decision is not None or tracker is None:
+        trackers = [tracker for tracker in map(tracker_of, modules) if tracker is not None]
+        if self.decision is not None or not trackers:
             return None
-        self._module = module
+        self._modules = [module for module in modules if tracker_of(module) is not None]
         if not self.phases:
             self.phases = [
                 Phase(COMPILED, EAGER, SETTLE + 1),
@@ -459,20 +468,21 @@ class CompilePayoff:
         phase.clock.mark()
         if not phase.done:
             way = phase.next_way()
-            use_region_calls(module, self.eager_turn if way == EAGER else way)
+            self._use(self.eager_turn if way == EAGER else way)
             return None
         self._end(phase, device)
         self._skip_static_shape_candidates()
         following = [later for later in self.phases if not later.done]
         if following:
-            self._start(module, following[0], device)
+            self._start(following[0], device)
             return None
         self.decision = self._decide(processes)
-        use_region_calls(module, self.decision.chosen)
+        self._use(self.decision.chosen)
         self.cuda_graphs = any(
             c.cuda_graphs and c.name == self.decision.chosen for c in self.candidates
         )
-        tracker.payoff = str(self.decision)
+        for tracker in trackers:
+            tracker.payoff = str(self.decision)
         return self.decision
 
     def _skip_static_shape_candidates(self) -> None:
@@ -487,15 +497,16 @@ class CompilePayoff:
                 phase.counts = False
                 phase.notes.append("not tried: the batches' shapes vary")
 
-    def _start(self, module: Any, phase: Phase, device: torch.device) -> None:
+    def _start(self, phase: Phase, device: torch.device) -> None:
         """Put ``phase``'s candidate in place for its settling steps."""
         candidate = phase.candidate
         assert candidate is not None  # only the first phase has none, and it is in place
-        add_region_calls(module, candidate.name, candidate.compile_kwargs)
+        for module in self._modules:
+            add_region_calls(module, candidate.name, candidate.compile_kwargs)
         phase.skips_before = cudagraph_skips()
         phase.reserved_before = _reserved(device)
         self.cuda_graphs = candidate.cuda_graphs
-        use_region_calls(module, candidate.name)
+        self._use(candidate.name)
 
     def _end(self, phase: Phase, device: torch.device) -> None:
         """What ``phase`` showed besides its times: a candidate's memory, and skips."""

@@ -158,9 +158,11 @@ class RegionalCompileBase:
             return
         self._compile_now(module, root_is_called, plan, recipe)
 
-    def at_step_boundary(self, module: Any, phase: str = "training") -> None:
-        """After an optimizer step: until the background switch, its step boundary
-        (which may compile the regions now); then report as the default mode does."""
+    def at_step_boundary(self, *modules: Any, phase: str = "training") -> None:
+        """After a step's optimizer steps: until the background switch, its step boundary
+        (which may compile the regions now); then report each of ``modules`` (the
+        LightningModule; the modules a Fabric loop set up) as the default mode does, and
+        time the step for the keep-or-revert gate."""
         if self.background is not None and self._compile_at_switch is not None:
             module_, root_is_called, plan, recipe = self._compile_at_switch
 
@@ -170,12 +172,13 @@ class RegionalCompileBase:
             if self.background.at_step_boundary(self, compile_now):  # type: ignore[arg-type]
                 self._compile_at_switch = None
             return
-        first = not self.reporter.reported
-        self.reporter.after_optimizer_step(module, phase)
+        first = not all(self.reporter.has_reported(module) for module in modules)
+        for module in modules:
+            self.reporter.after_optimizer_step(module, phase)
         if first and self.background is not None and self.background.switched:
             rank_zero_info(self.background.summary())
         if self.payoff is not None:
-            decision = self.payoff.at_step_boundary(module, self)  # type: ignore[arg-type]
+            decision = self.payoff.at_step_boundary(modules, self)  # type: ignore[arg-type]
             if decision is not None:
                 rank_zero_info(f"regional compile on this run's steps: {decision}")
 
@@ -279,16 +282,37 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
         super().model_to_device()  # type: ignore[safe-super]
         self.compile_in_place(self.lightning_module, root_is_called=False)  # training_step
 
+    #: Manual optimization: whether an optimizer stepped in the training step running.
+    _stepped_in_training_step = False
+
+    def manual_optimization(self) -> bool:
+        """Whether the LightningModule steps its optimizers itself, in ``training_step``
+        (``automatic_optimization = False``: a GAN's two, a step every N batches)."""
+        module = self.lightning_module
+        return module is not None and not module.automatic_optimization
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.payoff is not None:  # the timed step starts here, after any validation
             self.payoff.training_starts((args, kwargs))  # the batch, its index (no tensor)
-        return super().training_step(*args, **kwargs)
+        if not self.manual_optimization():
+            return super().training_step(*args, **kwargs)
+        self._stepped_in_training_step = False
+        output = super().training_step(*args, **kwargs)
+        if self._stepped_in_training_step:  # every optimizer step of it is done
+            self.at_step_boundary(self.lightning_module)
+        return output
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The step boundary: after the optimizer step (automatic optimization, one a
+        step), or at the end of the ``training_step`` that stepped (manual optimization:
+        a GAN's generator and discriminator steps are one step, not two of two ways)."""
         output = super().optimizer_step(*args, **kwargs)
-        self.at_step_boundary(self.lightning_module)
+        if self.manual_optimization():
+            self._stepped_in_training_step = True
+        else:
+            self.at_step_boundary(self.lightning_module)
         return output
 
     @override

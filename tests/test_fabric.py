@@ -64,6 +64,25 @@ def test_a_fabric_loop_matches_plain_fabric_with_regions_compiled_and_ties_kept(
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_second_module_set_up_with_compile_in_background_is_refused_before_it_trains():
+    """The background mode compiles one module in one child: a second module set up on
+    the same strategy (a GAN's discriminator) is refused at its setup, naming both
+    modules and the two fixes, not left eager."""
+    strategy = regional(compile_in_background=True)
+    runner = fabric(strategy)
+    generator, discriminator = TinyGPT(GPTConfig(**SMALL)), nn.Sequential(nn.Linear(4, 1))
+    try:
+        runner.setup(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
+        with pytest.raises(ValueError) as refused:
+            runner.setup(discriminator, torch.optim.SGD(discriminator.parameters(), lr=0.1))
+    finally:
+        strategy.teardown()
+    said = str(refused.value)
+    assert "compile_in_background=True" in said and "TinyGPT is already set up" in said
+    assert "setting up Sequential too" in said and "nn.ModuleDict" in said
+    assert "compile_in_background=False" in said
+
+
 @pytest.mark.parametrize("granularity", ["regions", "nested"])
 def test_torch_save_after_a_fabric_loop_loads_a_plain_model_with_the_same_outputs(
     tmp_path, granularity

@@ -680,3 +680,160 @@ def test_timed_steps_that_recompiled_are_left_out_and_a_faster_compile_is_kept(t
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+#: A pause in each discriminator step (after its forward, before its backward): the whole
+#: training step is one timed step, so every timed step holds it; a boundary at each
+#: optimizer step would put it in one way's turns alone (turns go step by step).
+DISCRIMINATOR_PAUSE_S = 0.05
+
+
+class Net(nn.Module):
+    """Repeated blocks, then a head."""
+
+    def __init__(self, outputs: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(BranchBlock() for _ in range(3))
+        self.head = nn.Linear(6, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class TwoNets(nn.Module):
+    """A GAN's generator and discriminator, each a stack of repeated blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = Net(6)
+        self.discriminator = Net(1)
+
+
+def generator_loss(generator, discriminator, real: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    fake = generator(real)
+    return -discriminator(fake).mean(), fake
+
+
+def discriminator_loss(discriminator, fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    loss = discriminator(fake.detach()).mean() - discriminator(real).mean()
+    time.sleep(DISCRIMINATOR_PAUSE_S)
+    return loss
+
+
+class ManualGAN(pl.LightningModule):
+    """Manual optimization: a generator step and a discriminator step in each
+    ``training_step``, as Lightning's GAN examples write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.nets = TwoNets()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        generator_optimizer, discriminator_optimizer = self.optimizers()
+        nets = self.nets
+        g_loss, fake = generator_loss(nets.generator, nets.discriminator, batch)
+        generator_optimizer.zero_grad()
+        self.manual_backward(g_loss)
+        generator_optimizer.step()
+        d_loss = discriminator_loss(nets.discriminator, fake, batch)
+        discriminator_optimizer.zero_grad()
+        self.manual_backward(d_loss)
+        discriminator_optimizer.step()
+        self.losses += [g_loss.item(), d_loss.item()]
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        generator, discriminator = self.nets.generator, self.nets.discriminator
+        return (
+            torch.optim.SGD(generator.parameters(), lr=1e-2),
+            torch.optim.SGD(discriminator.parameters(), lr=1e-2),
+        )
+
+
+def blocks_of(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, BranchBlock)]
+
+
+def assert_each_timed_step_is_a_whole_gan_step(payoff) -> None:
+    """The decision came, and every timed step holds a discriminator step's pause."""
+    assert payoff.decision is not None, "no decision"
+    steps = payoff.phases[0].clock.milliseconds()
+    assert min(steps) >= 1000 * DISCRIMINATOR_PAUSE_S, (payoff.decision, steps)
+
+
+def test_a_manual_optimization_step_with_two_optimizers_is_one_timed_step(tmp_path):
+    """Manual optimization (``automatic_optimization = False``): a training step that
+    steps a generator and a discriminator is one step of one way, its boundary at the
+    end of the ``training_step``. Compiled, slowed, loses and is reverted; training
+    equals plain Lightning's."""
+    batches = torch.utils.data.DataLoader(torch.randn(4 * STEPS, 6), batch_size=4)
+    strategy = RegionalCompileStrategy(backend=SlowAotEager(seconds=0.01))
+    model, plain = ManualGAN(), ManualGAN()
+    fitted = trainer(tmp_path, strategy, 2 * STEPS)  # max_steps counts optimizer steps
+    fitted.fit(model, batches)
+    trainer(tmp_path, "auto", 2 * STEPS).fit(plain, batches)
+    assert fitted.global_step == 2 * STEPS and len(model.losses) == 2 * STEPS
+    assert_each_timed_step_is_a_whole_gan_step(strategy.payoff)
+    assert not strategy.payoff.decision.kept, strategy.payoff.decision
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def fabric_gan_losses(strategy, separate: bool) -> list[float]:
+    """``STEPS`` GAN steps in a Fabric loop, the nets set up together (``fabric.setup(
+    nets, generator_optimizer, discriminator_optimizer)``) or ``separate``ly, each with
+    its optimizer, as Fabric's own GAN example does."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    nets = TwoNets()
+    generator_optimizer = torch.optim.SGD(nets.generator.parameters(), lr=1e-2)
+    discriminator_optimizer = torch.optim.SGD(nets.discriminator.parameters(), lr=1e-2)
+    if separate:
+        generator, generator_optimizer = fabric.setup(nets.generator, generator_optimizer)
+        discriminator, discriminator_optimizer = fabric.setup(
+            nets.discriminator, discriminator_optimizer
+        )
+    else:
+        _, generator_optimizer, discriminator_optimizer = fabric.setup(
+            nets, generator_optimizer, discriminator_optimizer
+        )
+        generator, discriminator = nets.generator, nets.discriminator
+    batches = torch.randn(STEPS, 4, 6, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for real in batches:
+        g_loss, fake = generator_loss(generator, discriminator, real)
+        generator_optimizer.zero_grad()
+        fabric.backward(g_loss)
+        generator_optimizer.step()
+        d_loss = discriminator_loss(discriminator, fake, real)
+        discriminator_optimizer.zero_grad()
+        fabric.backward(d_loss)
+        discriminator_optimizer.step()
+        losses += [g_loss.item(), d_loss.item()]
+    return losses
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["set-up-together", "set-up-separately"])
+def test_a_fabric_gan_step_is_one_timed_step_of_every_module_set_up(separate):
+    """A Fabric loop with a generator and a discriminator optimizer: a step boundary
+    once both stepped, so every timed step holds a whole GAN step; set up separately
+    (Fabric's DCGAN example), both modules are reported, switched and timed together.
+    Compiled, slowed, loses and both are reverted; training equals plain Fabric's."""
+    import lightning_regions.fabric as regional_fabric
+
+    strategy = regional_fabric.RegionalCompileStrategy(backend=SlowAotEager(seconds=0.01))
+    losses = fabric_gan_losses(strategy, separate)
+    assert_each_timed_step_is_a_whole_gan_step(strategy.payoff)
+    assert not strategy.payoff.decision.kept, strategy.payoff.decision
+    modules = strategy._modules
+    assert len(modules) == (2 if separate else 1)
+    for module in modules:
+        assert "on this run's steps: compiled" in str(region_report(module))
+        assert all(block._compiled_call_impl is None for block in blocks_of(module))
+    assert losses == pytest.approx(fabric_gan_losses("auto", separate), rel=1e-5)
