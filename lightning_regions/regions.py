@@ -323,7 +323,8 @@ def _called_in_loops(graph: ModuleGraph) -> list[tuple[nn.Module, str]]:
     for parent in graph.distinct_modules():
         forward = type(parent).forward
         code = getattr(forward, "__code__", None)
-        if code is None or forward.__module__.startswith("torch."):
+        # a function defined where globals have no __name__ (exec'd code): __module__ None
+        if code is None or (forward.__module__ or "").startswith("torch."):
             continue
         for name in sorted(_attributes_loaded_in_loops(code)):
             child = registered_children(parent).get(name)

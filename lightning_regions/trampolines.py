@@ -45,7 +45,8 @@ def _call_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def needs_trampoline(cls: type[nn.Module]) -> bool:
     """True when ``cls.forward`` is torch's own code, which dynamo would skip."""
-    return cls.forward.__module__.startswith("torch.")
+    # a function defined where globals have no __name__ (exec'd code) has __module__ None
+    return (cls.forward.__module__ or "").startswith("torch.")
 
 
 def trampoline(cls: type, variant: int = 0, hooks: bool = True) -> FunctionType:

@@ -127,3 +127,42 @@ def test_a_list_of_lists_is_never_a_region():
     assert plan.whole_model
     model.grid[0].append(nn.Linear(8, 8))
     assert region_paths(find_regions(model)) == [("grid.0.0",), ("grid.0.1",)]
+
+
+#: A model defined by ``exec`` in globals with no ``__name__`` (a launcher that runs a
+#: config file so): its functions' ``__module__`` is None, its classes' ``"builtins"``.
+EXECUTED_SOURCE = """
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class Looped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = Layer()
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.layer(x)
+        return x
+"""
+
+
+def test_a_model_defined_by_exec_without_a_module_name_is_planned_and_compiled():
+    import torch
+
+    namespace = {"nn": nn, "torch": torch}
+    exec(EXECUTED_SOURCE, namespace)
+    assert namespace["Looped"].forward.__module__ is None
+    model, plain = namespace["Looped"](), namespace["Looped"]()
+    plain.load_state_dict(model.state_dict())
+    plan = find_regions(model)
+    assert [region.paths for region in plan.regions] == [("layer",)]
+    compile_regions(model, backend="eager")
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(model(x), plain(x))
