@@ -271,10 +271,18 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     def payoff_candidates(self) -> tuple[Candidate, ...]:
         if not isinstance(self, SingleDeviceStrategy) or self.eager_hooks:
             return ()  # several processes or an engine's hooks (its device may not be set)
-        trainer = self.attached_trainer()
-        plain_steps = trainer is not None and trainer.accumulate_grad_batches == 1
+        plain_steps = self.one_backward_a_step()
         candidate = cuda_graphs_candidate(self.options, self.root_device, True, plain_steps)
         return () if candidate is None else (candidate,)
+
+    def one_backward_a_step(self) -> bool:
+        """Whether each optimizer step follows one forward and backward: automatic
+        optimization without gradient accumulation (manual optimization may run several
+        backwards a step, a GAN's two, and we cannot see how many)."""
+        trainer = self.attached_trainer()
+        if trainer is None or self.manual_optimization():
+            return False
+        return trainer.accumulate_grad_batches == 1
 
     @override
     def model_to_device(self) -> None:

@@ -784,6 +784,21 @@ def test_a_manual_optimization_step_with_two_optimizers_is_one_timed_step(tmp_pa
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_cuda_graphs_are_tried_only_where_a_step_is_one_forward_and_backward(tmp_path):
+    """The CUDA-graphs candidate needs one backward a step (a second one would read
+    outputs the next replay overwrote): automatic optimization without accumulation
+    only, never manual optimization, whose backwards a step we cannot see."""
+    batches = torch.utils.data.DataLoader(torch.randn(8, 6), batch_size=4)
+    for model, options, plain in [
+        (BranchBlocks(), {}, True),
+        (BranchBlocks(), {"accumulate_grad_batches": 2}, False),
+        (ManualGAN(), {}, False),
+    ]:
+        strategy = RegionalCompileStrategy(backend="eager", keep_if_faster=False)
+        trainer(tmp_path, strategy, 2, **options).fit(model, batches)
+        assert strategy.one_backward_a_step() is plain, (type(model).__name__, options)
+
+
 def fabric_gan_losses(strategy, separate: bool) -> list[float]:
     """``STEPS`` GAN steps in a Fabric loop, the nets set up together (``fabric.setup(
     nets, generator_optimizer, discriminator_optimizer)``) or ``separate``ly, each with
