@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ PRIVATE_APIS = (
     ("torch._dynamo.config", "allow_unspec_int_on_nn_module", "per-instance ints symbolic"),
     ("torch._dynamo.config", "specialize_float", "naming a specialised float's fix"),
     ("torch._dynamo.config", "recompile_limit", "warning of recompiles before the limit"),
+    ("torch._dynamo.eval_frame", "_debug_get_cache_entry_list", "graphs held for a code"),
+    ("torch._dynamo.eval_frame", "remove_from_cache", "dropping gone models' graphs"),
     ("torch._dynamo.config", "optimize_ddp", "keeping regions whole under DDP"),
     ("torch._dynamo.config", "_is_default", "leaving a dynamo setting the user made alone"),
     ("torch._dynamo.config", "save_config_portable", "the background child's dynamo settings"),
@@ -132,6 +135,7 @@ def require_torch_apis() -> None:
 require_torch_apis()  # before the imports below touch any of them
 
 # The private names, for the rest of the package.
+from torch._dynamo import eval_frame as _eval_frame  # noqa: E402
 from torch._dynamo import exc as _dynamo_exc  # noqa: E402
 from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
 from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
@@ -364,6 +368,17 @@ def cudagraph_skips() -> int:
     """Graphs that inductor compiled for CUDA graphs (``mode="reduce-overhead"``) and runs
     without them, in this process so far; ``TORCH_LOGS=cudagraphs`` says why."""
     return int(dynamo_counters["inductor"]["cudagraph_skips"])
+
+
+def graphs_held(code: CodeType) -> int:
+    """The compiled graphs dynamo holds for ``code`` in this process (its cache entries,
+    which count against ``recompile_limit``)."""
+    return len(_eval_frame._debug_get_cache_entry_list(code))
+
+
+def drop_graphs(code: CodeType) -> None:
+    """Drop every compiled graph dynamo holds for ``code``: its next call compiles anew."""
+    _eval_frame.remove_from_cache(code)
 
 
 def frames_compiled() -> int:

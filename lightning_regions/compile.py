@@ -31,7 +31,7 @@ from .graph import unwrap
 from .nested import inductor_options_for_nested, mark_nested
 from .options import validate_compile_arguments, validate_granularity, validate_on_compile_error
 from .regions import RegionPlan, Selectors, find_regions, nest_plan
-from .tracking import OBSERVED_CALLS, RegionTracker, tracking_backend
+from .tracking import OBSERVED_CALLS, RegionTracker, drop_gone_graphs, tracking_backend
 from .trampolines import CompiledForward, compiled_forward, needs_trampoline, trampoline
 from .variants import find_variants
 
@@ -343,9 +343,11 @@ def compile_regions(
         plan = find_regions(module, regions, root_is_called=root_is_called)
     if granularity == "nested" and not plan.nested:
         plan = nest_plan(plan, module, root_is_called=root_is_called)
+    dropped = drop_gone_graphs(plan)  # before this model's tracker is one of the live
     tracker, torch_kwargs = tracked_compile_kwargs(
         plan, compile_kwargs, on_compile_error, observe_calls
     )
+    tracker.dropped = dropped
     if inplace:
         in_place = InPlace(torch_kwargs, tracker, eager_hooks)
         result = apply_plan(module, plan, in_place)

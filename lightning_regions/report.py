@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .compat import graphs_held, recompile_limit
 from .compile import tracker_of
 from .diagnosis import (
     ClassRun,
@@ -28,7 +29,7 @@ from .graph import join
 from .regions import Region, RegionPlan
 from .tracking import RegionStats
 from .variants import ClassVariants, compress_paths, find_variants
-from .watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard
+from .watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard, region_codes
 
 
 class RegionNotCompiledWarning(UserWarning):
@@ -109,6 +110,11 @@ class RegionReport:
     breaks: tuple[RegionGraphBreaks, ...] = ()  # classes whose calls ran in pieces
     ddp_split: tuple[DDPSplit, ...] = ()  # classes whose graph DDP's optimizer split
     payoff: str = ""  # compiled against eager on this run's steps, once decided
+    #: Graphs of models no longer alive dropped before compiling (``drop_gone_graphs``).
+    dropped: tuple[str, ...] = ()
+    #: Region classes that ran eager because their code already held torch's
+    #: ``recompile_limit`` in graphs compiled for other live models: (class, graphs held).
+    limit_filled_before: tuple[tuple[str, int], ...] = ()
 
     @property
     def graphs(self) -> int:
@@ -200,6 +206,11 @@ class RegionReport:
             lines.append(f"  compiled in pieces: {pieces}")
         if self.payoff:
             lines.append(f"  on this run's steps: {self.payoff}")
+        if self.dropped:
+            lines.append(
+                "  dropped before compiling, graphs of models of these classes no longer "
+                f"alive (they counted against torch's recompile limit): {'; '.join(self.dropped)}"
+            )
         lines.append(f"  aliases kept: {_groups(self.alias_groups)}")
         lines.append(f"  tied parameters kept: {_groups(self.tie_groups)}")
         return "\n".join(lines)
@@ -250,6 +261,8 @@ def region_report(model: nn.Module) -> RegionReport:
     recompiles = tuple(tracker.watch.refresh())
     variants = find_variants(plan)
     regional = [row for row in rows if not row.nested_in]
+    filled = limit_filled_before(plan, regional)
+    filled_classes = {class_name for class_name, _held in filled}
     return RegionReport(
         rows=rows,
         alias_groups=tuple(plan.graph.own_alias_groups()),
@@ -257,7 +270,11 @@ def region_report(model: nn.Module) -> RegionReport:
         whole_model=plan.whole_model,
         recompiles=recompiles,
         graph_breaks=graph_breaks(),
-        per_instance=per_instance_recompiles(rows, recompiles, variants, plan)
+        per_instance=tuple(
+            judged
+            for judged in per_instance_recompiles(rows, recompiles, variants, plan)
+            if judged.class_name not in filled_classes  # not per instance: the limit was full
+        )
         + nested_traced_apart(rows),
         variants=tuple(v for v in variants.values() if len(v.variants) > 1),
         breaks=find_graph_breaks(
@@ -265,7 +282,31 @@ def region_report(model: nn.Module) -> RegionReport:
         ),
         ddp_split=ddp_splits(regional),
         payoff=tracker.payoff,
+        dropped=tracker.dropped,
+        limit_filled_before=filled,
     )
+
+
+def limit_filled_before(plan: RegionPlan, rows: list[RegionRow]) -> tuple[tuple[str, int], ...]:
+    """The region classes some of whose instances ran eager while their code held at
+    least torch's ``recompile_limit`` in graphs, more than this model compiled for it:
+    graphs of other models, still alive, of the same class (``drop_gone_graphs`` drops
+    those of gone ones), left this one no room to compile."""
+    graphs_by_class: dict[str, int] = {}
+    eager: set[str] = set()
+    for row in rows:
+        graphs_by_class[row.class_name] = graphs_by_class.get(row.class_name, 0) + row.graphs
+        if row.called and not row.ran_compiled and not row.compile_error:
+            eager.add(row.class_name)
+    found: list[tuple[str, int]] = []
+    for region in plan.regions:
+        name = region.class_name
+        if name not in eager or any(name == seen for seen, _held in found):
+            continue
+        held = max(graphs_held(code) for code in region_codes(region.module))
+        if held >= recompile_limit() and held > graphs_by_class[name]:
+            found.append((name, held))
+    return tuple(found)
 
 
 def ddp_splits(rows: list[RegionRow]) -> tuple[DDPSplit, ...]:
@@ -414,12 +455,27 @@ def warn_if_not_compiled(report: RegionReport) -> None:
     """Warn, naming each region, when a region that was called never ran compiled code.
     Regions that failed to compile are left out (``RegionCompileWarning`` named them when
     it happened), and so are regions never called: nothing was lost there."""
+    filled = dict(report.limit_filled_before)
     missing = tuple(row for row in report.ran_eager if not row.compile_error)
-    if missing:
-        names = "; ".join(f"{row.class_name} at {', '.join(row.paths)}" for row in missing)
+    unexplained = tuple(row for row in missing if row.class_name not in filled)
+    if unexplained:
+        names = "; ".join(f"{row.class_name} at {', '.join(row.paths)}" for row in unexplained)
         warnings.warn(
-            f"{len(missing)} region(s) were called but never ran compiled code in their "
+            f"{len(unexplained)} region(s) were called but never ran compiled code in their "
             f"observed calls (an eager fallback or a skipped frame): {names}",
+            RegionNotCompiledWarning,
+            stacklevel=2,
+        )
+    for class_name, held in filled.items():
+        paths = compress_paths(row.paths[0] for row in missing if row.class_name == class_name)
+        warnings.warn(
+            f"{class_name} at {paths} ran eager: its code already holds {held} compiled "
+            f"graph(s) in this process, torch's recompile limit "
+            f"(torch._dynamo.config.recompile_limit = {recompile_limit()}), made for other "
+            f"models of {class_name} that are still alive (a sweep's or a notebook's "
+            "earlier models, at other shapes). Fix: drop your references to those models "
+            "before building the next one (their graphs are then dropped at its setup), "
+            "call torch.compiler.reset() between them, or raise the recompile limit.",
             RegionNotCompiledWarning,
             stacklevel=2,
         )

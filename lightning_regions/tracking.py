@@ -22,6 +22,7 @@ would recompile every block class again and, after a few calls, hit
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import time
 import warnings
@@ -41,15 +42,18 @@ from .compat import (
     LazyGraphModule,
     compile_wrapper,
     current_frame_compile,
+    drop_graphs,
     dynamo_graph_break_exceptions,
     dynamo_original_callable,
     dynamo_reraised_exceptions,
+    graphs_held,
+    recompile_limit,
 )
 from .graph import unwrap
 from .nested import GraphNesting, explain_nested_failure, graph_nesting
 from .regions import RegionPlan
 from .trampolines import CompiledForward
-from .watch import FrameCompile, FrameLog, RecompileWatch
+from .watch import FrameCompile, FrameLog, RecompileWatch, region_codes
 
 CompiledFn = Callable[..., Any]
 #: Calls of each region observed by ``compile_regions`` before observation ends.
@@ -419,12 +423,15 @@ class RegionTracker:
     frames: FrameLog = field(default_factory=FrameLog)
     #: Whether compiling paid on this run's steps, once decided (``payoff.CompilePayoff``).
     payoff: str = ""
+    #: Graphs of models no longer alive dropped before compiling (``drop_gone_graphs``).
+    dropped: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         regions = self.plan.regions
         self._stats_by_module = {
             id(region.module): stats for region, stats in zip(regions, self.stats, strict=True)
         }
+        LIVE_TRACKERS.add(self)
 
     @classmethod
     def start(
@@ -468,3 +475,35 @@ class RegionTracker:
         compiled call when it is saved or copied, so the copy is a plain model with
         nothing to report, and loading it needs no lightning_regions."""
         return (dict.get, ({}, None))
+
+
+#: Every ``RegionTracker`` not yet collected: one per model compiled and still alive (a
+#: model and its tracker form a cycle, gone at a garbage collection).
+LIVE_TRACKERS: weakref.WeakSet[RegionTracker] = weakref.WeakSet()
+
+
+def drop_gone_graphs(plan: RegionPlan) -> tuple[str, ...]:
+    """Drop the graphs dynamo holds for ``plan``'s region code where they fill half of
+    torch's ``recompile_limit`` or more and no model compiled by us that runs that code
+    is alive: a sweep's or a notebook's earlier models of the same class, at other
+    widths, whose graphs would otherwise count against this model's limit until it ran
+    eager (4 widths of a block compiled 2 ways fill the 8 of torch's default). Graphs
+    that a live model may still run are kept, and so are fewer: a rerun of the same
+    shapes reuses them. Returns what was dropped (``"Block.forward: 8 graph(s)"``)."""
+    codes = {code for region in plan.regions for code in region_codes(region.module)}
+    crowded = [code for code in codes if 2 * graphs_held(code) >= recompile_limit()]
+    if not crowded:
+        return ()
+    gc.collect()  # the gone models' trackers, in cycles with their models
+    live = {
+        code
+        for tracker in list(LIVE_TRACKERS)
+        for region in tracker.plan.regions
+        for code in region_codes(region.module)
+    }
+    dropped = []
+    for code in sorted(crowded, key=lambda code: code.co_qualname):
+        if code not in live:
+            dropped.append(f"{code.co_qualname}: {graphs_held(code)} graph(s)")
+            drop_graphs(code)
+    return tuple(dropped)

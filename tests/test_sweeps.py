@@ -1,0 +1,122 @@
+"""Sweeps and reruns in one process: a model of the same block classes at another width
+each time (Optuna's trials, a notebook's cells). dynamo keeps every graph it compiled for
+a code object, and counts them against ``recompile_limit`` (8) for every later model of
+the class: the fifth width of a block compiled two ways (block 0's input needs no grad,
+the others' do) ran eager, with warnings that blamed per-instance guards."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import trainer
+from torch import nn
+
+from lightning_regions import (
+    PerInstanceRecompileWarning,
+    RegionalCompileStrategy,
+    RegionNotCompiledWarning,
+    region_report,
+)
+from lightning_regions.compat import graphs_held, recompile_limit
+
+WIDTHS = (8, 16, 24, 32, 40, 48)
+
+
+class SweptBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class Swept(pl.LightningModule):
+    """Four blocks of one width, trained on the first ``width`` columns of the data."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(width)
+        self.width = width
+        self.blocks = nn.ModuleList(SweptBlock(width) for _ in range(4))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch[:, : self.width]
+        for block in self.blocks:
+            x = block(x)
+        loss = x.pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def trial(tmp_path, width: int) -> tuple[Swept, list[warnings.WarningMessage]]:
+    """One trial: its model fitted 2 steps under the strategy, and the warnings given."""
+    model = Swept(width)
+    data = torch.utils.data.DataLoader(torch.randn(8, max(WIDTHS)), batch_size=4)
+    strategy = RegionalCompileStrategy(backend="eager", keep_if_faster=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, strategy, 2).fit(model, data)
+    return model, caught
+
+
+def ours(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (RegionNotCompiledWarning, PerInstanceRecompileWarning))
+    ]
+
+
+def test_a_sweep_over_widths_compiles_every_trial_and_says_what_it_dropped(tmp_path):
+    """Each trial's model is dropped before the next (as an Optuna objective's is): the
+    graphs of gone models are dropped once they fill half the limit, so every trial runs
+    compiled, and its report says what was dropped. Losses equal plain Lightning's."""
+    assert recompile_limit() == 8  # torch's default, which the widths are sized against
+    dropped_in = []
+    for index, width in enumerate(WIDTHS):
+        model, caught = trial(tmp_path, width)
+        report = region_report(model)
+        assert not report.ran_eager and ours(caught) == [], (width, ours(caught))
+        assert sum(row.graphs for row in report.rows) == 2, (width, report)
+        if report.dropped:
+            assert report.dropped == ("SweptBlock.forward: 4 graph(s)",)
+            assert "graphs of models of these classes no longer alive" in str(report)
+            dropped_in.append(index)
+        if width == WIDTHS[-1]:
+            plain = Swept(width)
+            data = torch.utils.data.DataLoader(torch.randn(8, max(WIDTHS)), batch_size=4)
+            trainer(tmp_path, "auto", 2).fit(plain, data)
+            assert model.losses == pytest.approx(plain.losses, rel=1e-6)
+        del model
+    assert dropped_in == [2, 4]  # two trials fill half the limit: the third drops them
+
+
+def test_graphs_of_models_still_alive_are_kept_and_the_next_is_told_why_it_ran_eager(
+    tmp_path,
+):
+    """Models kept alive (a notebook holding every trial's): their graphs are kept, and
+    the model that finds the limit full runs eager with a warning that says so and names
+    the fixes, not a per-instance diagnosis."""
+    kept = []
+    for width in WIDTHS[:5]:
+        model, caught = trial(tmp_path, width)
+        kept.append(model)
+    report = region_report(model)
+    assert len(report.ran_eager) == 4 and not report.dropped
+    assert report.limit_filled_before == (("SweptBlock", 8),)
+    (said,) = ours(caught)
+    assert said.startswith("RegionNotCompiledWarning: SweptBlock at blocks.0-3 ran eager: its ")
+    assert "already holds 8 compiled graph(s) in this process" in said
+    assert "torch.compiler.reset()" in said and "drop your references" in said
+    assert graphs_held(SweptBlock.forward.__code__) == 8  # the live models' graphs
+    del kept, model
+    gc.collect()
