@@ -68,6 +68,8 @@ PRIVATE_APIS = (
     ("torch._dynamo.config", "recompile_limit", "warning of recompiles before the limit"),
     ("torch._dynamo.eval_frame", "_debug_get_cache_entry_list", "graphs held for a code"),
     ("torch._dynamo.eval_frame", "remove_from_cache", "dropping gone models' graphs"),
+    ("torch._dynamo.eval_frame", "_stance", "telling torch.compile turned off"),
+    ("torch._dynamo.config", "disable", "telling torch.compile turned off"),
     ("torch._dynamo.config", "optimize_ddp", "keeping regions whole under DDP"),
     ("torch._dynamo.config", "_is_default", "leaving a dynamo setting the user made alone"),
     ("torch._dynamo.config", "save_config_portable", "the background child's dynamo settings"),
@@ -379,6 +381,18 @@ def graphs_held(code: CodeType) -> int:
 def drop_graphs(code: CodeType) -> None:
     """Drop every compiled graph dynamo holds for ``code``: its next call compiles anew."""
     _eval_frame.remove_from_cache(code)
+
+
+def compile_turned_off() -> str:
+    """How torch.compile is turned off in this process, so every compiled call runs
+    eager ('' where it is not): ``torch._dynamo.config.disable`` (``TORCH_COMPILE_DISABLE
+    =1``) or ``torch.compiler.set_stance("force_eager")``."""
+    if torch._dynamo.config.disable:
+        return "torch._dynamo.config.disable is True, as TORCH_COMPILE_DISABLE=1 sets it"
+    stance = _eval_frame._stance.stance
+    if stance == "force_eager":
+        return 'torch.compiler.set_stance("force_eager") is in force'
+    return ""
 
 
 def frames_compiled() -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .compat import graphs_held, recompile_limit
+from .compat import compile_turned_off, graphs_held, recompile_limit
 from .compile import tracker_of
 from .diagnosis import (
     ClassRun,
@@ -115,6 +115,8 @@ class RegionReport:
     #: Region classes that ran eager because their code already held torch's
     #: ``recompile_limit`` in graphs compiled for other live models: (class, graphs held).
     limit_filled_before: tuple[tuple[str, int], ...] = ()
+    #: How torch.compile is turned off in this process ('' where it is not).
+    compile_off: str = ""
 
     @property
     def graphs(self) -> int:
@@ -206,6 +208,11 @@ class RegionReport:
             lines.append(f"  compiled in pieces: {pieces}")
         if self.payoff:
             lines.append(f"  on this run's steps: {self.payoff}")
+        if self.compile_off:
+            lines.append(
+                f"  torch.compile is turned off in this process ({self.compile_off}): "
+                "every region runs eager"
+            )
         if self.dropped:
             lines.append(
                 "  dropped before compiling, graphs of models of these classes no longer "
@@ -261,7 +268,8 @@ def region_report(model: nn.Module) -> RegionReport:
     recompiles = tuple(tracker.watch.refresh())
     variants = find_variants(plan)
     regional = [row for row in rows if not row.nested_in]
-    filled = limit_filled_before(plan, regional)
+    compile_off = compile_turned_off()
+    filled = () if compile_off else limit_filled_before(plan, regional)
     filled_classes = {class_name for class_name, _held in filled}
     return RegionReport(
         rows=rows,
@@ -273,7 +281,8 @@ def region_report(model: nn.Module) -> RegionReport:
         per_instance=tuple(
             judged
             for judged in per_instance_recompiles(rows, recompiles, variants, plan)
-            if judged.class_name not in filled_classes  # not per instance: the limit was full
+            # not per instance: the limit was full, or nothing compiles in this process
+            if judged.class_name not in filled_classes and not compile_off
         )
         + nested_traced_apart(rows),
         variants=tuple(v for v in variants.values() if len(v.variants) > 1),
@@ -284,6 +293,7 @@ def region_report(model: nn.Module) -> RegionReport:
         payoff=tracker.payoff,
         dropped=tracker.dropped,
         limit_filled_before=filled,
+        compile_off=compile_off,
     )
 
 
@@ -457,6 +467,15 @@ def warn_if_not_compiled(report: RegionReport) -> None:
     it happened), and so are regions never called: nothing was lost there."""
     filled = dict(report.limit_filled_before)
     missing = tuple(row for row in report.ran_eager if not row.compile_error)
+    if missing and report.compile_off:
+        warnings.warn(
+            f"{len(missing)} region(s) ran eager: torch.compile is turned off in this "
+            f"process ({report.compile_off}), as for any torch.compile. Turn it back on to "
+            f"compile them: {compress_paths(row.paths[0] for row in missing)}",
+            RegionNotCompiledWarning,
+            stacklevel=2,
+        )
+        return
     unexplained = tuple(row for row in missing if row.class_name not in filled)
     if unexplained:
         names = "; ".join(f"{row.class_name} at {', '.join(row.paths)}" for row in unexplained)

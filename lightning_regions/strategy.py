@@ -26,7 +26,12 @@ from typing_extensions import override
 
 from .background import BackgroundCompile
 from .cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
-from .compat import OptimizedModule, compiled_by_torch_compile_context, compiled_call
+from .compat import (
+    OptimizedModule,
+    compile_turned_off,
+    compiled_by_torch_compile_context,
+    compiled_call,
+)
 from .compile import EAGER, tracker_of
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
@@ -188,7 +193,8 @@ class RegionalCompileBase:
         recipe.compile(module, plan, root_is_called)
         rank_zero_info(f"{region_report(module)}")
         self.reporter.enter()
-        pays = self.options.keep_if_faster and self.trains_here()
+        # nothing to time where torch.compile is turned off: the report says why
+        pays = self.options.keep_if_faster and self.trains_here() and not compile_turned_off()
         self.payoff = CompilePayoff(self.payoff_candidates(), self.EAGER_TURN) if pays else None
 
     def payoff_candidates(self) -> tuple[Candidate, ...]:

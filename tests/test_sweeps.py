@@ -1,8 +1,11 @@
-"""Sweeps and reruns in one process: a model of the same block classes at another width
+"""What the process's torch.compile state does to a model, named right.
+
+Sweeps and reruns in one process: a model of the same block classes at another width
 each time (Optuna's trials, a notebook's cells). dynamo keeps every graph it compiled for
 a code object, and counts them against ``recompile_limit`` (8) for every later model of
 the class: the fifth width of a block compiled two ways (block 0's input needs no grad,
-the others' do) ran eager, with warnings that blamed per-instance guards."""
+the others' do) ran eager, with warnings that blamed per-instance guards. And torch.compile
+turned off in the process (``TORCH_COMPILE_DISABLE=1``), which was blamed the same way."""
 
 from __future__ import annotations
 
@@ -120,3 +123,30 @@ def test_graphs_of_models_still_alive_are_kept_and_the_next_is_told_why_it_ran_e
     assert graphs_held(SweptBlock.forward.__code__) == 8  # the live models' graphs
     del kept, model
     gc.collect()
+
+
+@pytest.mark.parametrize("how", ["config", "stance"])
+def test_torch_compile_turned_off_is_named_once_and_nothing_is_timed(tmp_path, how):
+    """torch.compile turned off in the process (``TORCH_COMPILE_DISABLE=1``, which sets
+    ``torch._dynamo.config.disable``, or ``torch.compiler.set_stance("force_eager")``):
+    every region runs eager, one warning says why, the setup report says so, no
+    per-instance diagnosis, and the gate times nothing. Losses equal plain Lightning's."""
+    if how == "config":
+        turned_off = torch._dynamo.config.patch(disable=True)
+    else:
+        turned_off = torch.compiler.set_stance("force_eager")
+    model, plain = Swept(16), Swept(16)
+    data = torch.utils.data.DataLoader(torch.randn(8, max(WIDTHS)), batch_size=4)
+    strategy = RegionalCompileStrategy(backend="eager")
+    with turned_off, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, strategy, 14).fit(model, data)
+        report = region_report(model)
+    trainer(tmp_path, "auto", 14).fit(plain, data)
+    (said,) = ours(caught)
+    cause = "config.disable is True" if how == "config" else 'set_stance("force_eager")'
+    assert said.startswith("RegionNotCompiledWarning: 4 region(s) ran eager: torch.compile is ")
+    assert cause in said and "blocks.0-3" in said
+    assert "torch.compile is turned off in this process (" in str(report)
+    assert strategy.payoff is None and not report.per_instance
+    assert model.losses == pytest.approx(plain.losses, rel=1e-6)
