@@ -264,24 +264,33 @@ class LayerIndexBlock(nn.Module):
 
 
 class BlockStack(pl.LightningModule):
-    """Blocks of width 8 behind an embedding, trained on their squared output."""
+    """Blocks behind a ``width`` x ``width`` embedding (None: none), trained by SGD at
+    ``lr`` on their squared output, each step's loss kept; ``residual``: each block's
+    output is added to its input."""
 
-    def __init__(self, blocks: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        width: int | None = 8,
+        residual: bool = False,
+        lr: float = 1e-3,
+    ) -> None:
         super().__init__()
-        self.embed = nn.Linear(8, 8)
+        self.embed = nn.Linear(width, width) if width is not None else nn.Identity()
         self.blocks = nn.ModuleList(blocks)
+        self.residual, self.sgd_lr = residual, lr
         self.losses: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         x = self.embed(batch)
         for block in self.blocks:
-            x = block(x)
+            x = x + block(x) if self.residual else block(x)
         loss = x.pow(2).mean()
         self.losses.append(loss.item())
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
+        return torch.optim.SGD(self.parameters(), lr=self.sgd_lr)
 
 
 def vectors() -> torch.utils.data.DataLoader:

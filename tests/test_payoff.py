@@ -15,7 +15,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import SMALL, SlowAotEager, data, gpt, trainer
+from helpers import SMALL, BlockStack, SlowAotEager, data, gpt, trainer
 from processes import free_port
 from torch import nn
 
@@ -435,27 +435,17 @@ ROWS = [8, 4, 24, 24, 4, 72, 12, 24, 4, 72, 12, 8, 8]
 SECONDS_A_ROW = 0.002
 
 
-class RowsCostTime(pl.LightningModule):
+class RowsCostTime(BlockStack):
     """Blocks behind an embedding whose training step takes ``SECONDS_A_ROW`` a row."""
 
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Linear(6, 6)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
-        self.losses: list[float] = []
+        blocks = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)]
+        super().__init__(blocks, width=6, residual=True)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         time.sleep(SECONDS_A_ROW * len(batch))
-        x = self.embed(batch)
-        for block in self.blocks:
-            x = x + block(x)
-        loss = x.pow(2).mean()
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
+        return super().training_step(batch, batch_idx)
 
 
 def test_batches_of_varying_size_are_compared_at_one_size_and_cuda_graphs_not_tried(
@@ -635,28 +625,17 @@ class BranchBlock(nn.Module):
         return torch.tanh(y)
 
 
-class BranchBlocks(pl.LightningModule):
+class BranchBlocks(BlockStack):
+    """Three ``BranchBlock``s whose branch changes at the steps ``RECOMPILED_AT``."""
+
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(BranchBlock() for _ in range(3))
-        self.losses: list[float] = []
+        super().__init__([BranchBlock() for _ in range(3)], width=None, residual=True, lr=1e-2)
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if batch_idx in RECOMPILED_AT:  # before the step's training: it recompiles in it
             for block in self.blocks:
                 block.branch = RECOMPILED_AT.index(batch_idx) + 1
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        x = batch
-        for block in self.blocks:
-            x = x + block(x)
-        loss = x.pow(2).mean()
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-2)
 
 
 def test_timed_steps_that_recompiled_are_left_out_and_a_faster_compile_is_kept(tmp_path, caplog):

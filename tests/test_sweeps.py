@@ -12,10 +12,9 @@ from __future__ import annotations
 import gc
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import trainer
+from helpers import BlockStack, trainer
 from torch import nn
 
 from lightning_regions import (
@@ -38,26 +37,16 @@ class SweptBlock(nn.Module):
         return x + torch.tanh(self.linear(x))
 
 
-class Swept(pl.LightningModule):
+class Swept(BlockStack):
     """Four blocks of one width, trained on the first ``width`` columns of the data."""
 
     def __init__(self, width: int) -> None:
-        super().__init__()
         torch.manual_seed(width)
+        super().__init__([SweptBlock(width) for _ in range(4)], width=None, lr=1e-2)
         self.width = width
-        self.blocks = nn.ModuleList(SweptBlock(width) for _ in range(4))
-        self.losses: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        x = batch[:, : self.width]
-        for block in self.blocks:
-            x = block(x)
-        loss = x.pow(2).mean()
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-2)
+        return super().training_step(batch[:, : self.width], batch_idx)
 
 
 def trial(tmp_path, width: int) -> tuple[Swept, list[warnings.WarningMessage]]:
