@@ -16,6 +16,7 @@ Fabric's strategy registry: ``Fabric(strategy="regional_compile")``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
@@ -35,6 +36,27 @@ from .strategy import RegionalCompileBase
 FABRIC_EXCLUDED = ("trust_unsigned_artifacts",)
 
 
+class OptimizerRound:
+    """A loop's step as a round of its optimizers: a round ends once every optimizer that
+    steps in the loop has stepped since the last round ended (a GAN's generator and
+    discriminator steps are one step; a critic stepped 5 times a generator step, too).
+    An optimizer counts from its first step until it is garbage: one set up and never
+    stepped, or replaced by a new one, holds no round back."""
+
+    def __init__(self) -> None:
+        self.stepping: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.since_round: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def stepped(self, optimizer: Any) -> bool:
+        """``optimizer`` stepped: whether that ends a round."""
+        self.stepping.add(optimizer)
+        self.since_round.add(optimizer)
+        if len(self.since_round) < len(self.stepping):  # one is a subset of the other
+            return False
+        self.since_round = weakref.WeakSet()
+        return True
+
+
 class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     """Compiles the module's regions in place in ``setup_module``; reports after the
     first optimizer step. Mixed in before a Fabric strategy class; takes the regional
@@ -45,9 +67,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     #: The modules set up (a GAN's two, each with its optimizer), in order.
     _modules: tuple[nn.Module, ...] = ()
     _timing_hooks: tuple[RemovableHandle, ...] = ()
-    #: Ids of the optimizers that have stepped in this run, and since the last boundary.
-    _stepping: frozenset[int] = frozenset()
-    _stepped_since_boundary: frozenset[int] = frozenset()
+    #: The optimizers' steps since the last step boundary (made at the first step).
+    _round: OptimizerRound | None = None
     excluded_options = FABRIC_EXCLUDED
     #: Fabric has no teardown at the end of a loop: the gate's eager turns run training
     #: calls alone eager, so a loop that stops mid-turn evaluates compiled.
@@ -71,15 +92,13 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """A step boundary once every optimizer that steps in this loop has stepped since
-        the last one: a GAN's generator and discriminator steps are one step, not two of
-        two ways (an optimizer counts from its first step: one set up and never stepped
-        holds nothing back)."""
+        the last one (``OptimizerRound``): a GAN's generator and discriminator steps are
+        one step, not two of two ways."""
         output = super().optimizer_step(optimizer, **kwargs)
-        self._stepping |= {id(optimizer)}
-        self._stepped_since_boundary |= {id(optimizer)}
-        if self._stepped_since_boundary < self._stepping:
+        if self._round is None:
+            self._round = OptimizerRound()
+        if not self._round.stepped(optimizer):
             return output  # another optimizer's step is still to come in this one
-        self._stepped_since_boundary = frozenset()
         if self._modules:
             # Fabric's loop is the user's: the phase is what ran since the last step.
             phase = "the calls since the last optimizer step"
@@ -117,7 +136,7 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
     def teardown(self) -> None:
         super().teardown()
         self._stop_timing_forwards()
-        self._stepping = self._stepped_since_boundary = frozenset()
+        self._round = None
         self._modules = ()
         self.leave_parts()
 

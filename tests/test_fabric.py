@@ -64,6 +64,32 @@ def test_a_fabric_loop_matches_plain_fabric_with_regions_compiled_and_ties_kept(
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_round_of_optimizers_is_one_step_of_the_loop():
+    """``OptimizerRound``: a GAN's discriminator and generator steps are one round (the
+    first step is a round of its own: no other optimizer is known to step yet); so are a
+    critic's 3 steps and a generator step; an optimizer replaced, once garbage, holds
+    none back."""
+    import gc
+
+    from lightning_regions.fabric import OptimizerRound
+
+    def sgd() -> torch.optim.Optimizer:
+        return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+
+    generator, discriminator = sgd(), sgd()
+    rounds = OptimizerRound()
+    ends = [rounds.stepped(o) for o in (generator, discriminator) * 3]
+    assert ends == [True, False, True, False, True, False]  # each round: D, then G
+    rounds = OptimizerRound()
+    ends = [rounds.stepped(o) for o in ([discriminator] * 3 + [generator]) * 3]
+    assert ends == [True, True, True, False, True, False, False, True, False, False, False, True]
+    replaced = sgd()  # a new generator optimizer; the old one still referenced
+    assert [rounds.stepped(replaced), rounds.stepped(discriminator)] == [False, False]
+    del generator
+    gc.collect()
+    assert [rounds.stepped(replaced), rounds.stepped(discriminator)] == [True, False]
+
+
 def test_a_second_module_set_up_with_compile_in_background_is_refused_before_it_trains():
     """The background mode compiles one module in one child: a second module set up on
     the same strategy (a GAN's discriminator) is refused at its setup, naming both
