@@ -40,20 +40,26 @@ class OptimizerRound:
     """A loop's step as a round of its optimizers: a round ends once every optimizer that
     steps in the loop has stepped since the last round ended (a GAN's generator and
     discriminator steps are one step; a critic stepped 5 times a generator step, too).
-    An optimizer counts from its first step until it is garbage: one set up and never
-    stepped, or replaced by a new one, holds no round back."""
+    An optimizer counts from its first step until it is garbage, or until another steps
+    ``STALE_AFTER`` times in one round without it: one set up and never stepped, or
+    replaced by a new one, holds no round back for long."""
+
+    #: Steps of one optimizer in one round after which those absent from it stop counting.
+    STALE_AFTER = 32
 
     def __init__(self) -> None:
         self.stepping: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.since_round: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.since_round: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     def stepped(self, optimizer: Any) -> bool:
         """``optimizer`` stepped: whether that ends a round."""
         self.stepping.add(optimizer)
-        self.since_round.add(optimizer)
+        self.since_round[optimizer] = self.since_round.get(optimizer, 0) + 1
+        if self.since_round[optimizer] > self.STALE_AFTER:  # the absent ones stepped no more
+            self.stepping = weakref.WeakSet(self.since_round)
         if len(self.since_round) < len(self.stepping):  # one is a subset of the other
             return False
-        self.since_round = weakref.WeakSet()
+        self.since_round = weakref.WeakKeyDictionary()
         return True
 
 

@@ -67,8 +67,8 @@ def test_a_fabric_loop_matches_plain_fabric_with_regions_compiled_and_ties_kept(
 def test_a_round_of_optimizers_is_one_step_of_the_loop():
     """``OptimizerRound``: a GAN's discriminator and generator steps are one round (the
     first step is a round of its own: no other optimizer is known to step yet); so are a
-    critic's 3 steps and a generator step; an optimizer replaced, once garbage, holds
-    none back."""
+    critic's 3 steps and a generator step; an optimizer replaced holds none back once
+    garbage, or once another stepped ``STALE_AFTER`` times in a round without it."""
     import gc
 
     from lightning_regions.fabric import OptimizerRound
@@ -88,6 +88,10 @@ def test_a_round_of_optimizers_is_one_step_of_the_loop():
     del generator
     gc.collect()
     assert [rounds.stepped(replaced), rounds.stepped(discriminator)] == [True, False]
+    rounds, kept_alive = OptimizerRound(), sgd()  # replaced, but still referenced
+    assert rounds.stepped(kept_alive)
+    ends = [rounds.stepped(replaced) for _ in range(OptimizerRound.STALE_AFTER + 2)]
+    assert ends == [False] * OptimizerRound.STALE_AFTER + [True, True]
 
 
 def test_a_second_module_set_up_with_compile_in_background_is_refused_before_it_trains():
