@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +55,10 @@ def train(fabric: Fabric, steps: int, move_to_device: bool = True) -> tuple[Tiny
     return model, losses
 
 
+#: Seconds the GIL is left free after the exit barrier, for gloo's worker threads.
+GLOO_DRAIN_S = 0.5
+
+
 def release_gloo_before_exit(fabric: Fabric) -> None:
     """torch's shutdown, which Fabric leaves to the script for gloo (it registers it at
     exit for nccl only), after a barrier. On torch 2.13 and later (not 2.11) each backward
@@ -61,8 +66,11 @@ def release_gloo_before_exit(fabric: Fabric) -> None:
     a gloo worker thread that frees the last one needs the GIL, and deleting the DDP
     model destroys the process group holding the GIL while it joins those threads: the
     exit then hangs or aborts ("terminate called without an active exception"). The
-    barrier waits without the GIL, so the workers free them first (``docs/usage.md``)."""
+    barrier waits without the GIL, so the workers free them first; but the barrier's own
+    work holds the last all-reduce, and a worker may free it just after the barrier
+    returns: a sleep leaves it the GIL (``docs/usage.md``)."""
     fabric.barrier()
+    time.sleep(GLOO_DRAIN_S)
     torch.distributed.destroy_process_group()
 
 
