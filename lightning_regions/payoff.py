@@ -448,10 +448,10 @@ class CompilePayoff:
         them all to one way) ended."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier outputs are done
-        trackers = [tracker for tracker in map(tracker_of, modules) if tracker is not None]
-        if self.decision is not None or not trackers:
+        trackers = {id(module): tracker_of(module) for module in modules}
+        if self.decision is not None or not any(trackers.values()):
             return None
-        self._modules = [module for module in modules if tracker_of(module) is not None]
+        self._modules = [module for module in modules if trackers[id(module)] is not None]
         if not self.phases:
             self.phases = [
                 Phase(COMPILED, EAGER, SETTLE + 1),
@@ -481,8 +481,8 @@ class CompilePayoff:
         self.cuda_graphs = any(
             c.cuda_graphs and c.name == self.decision.chosen for c in self.candidates
         )
-        for tracker in trackers:
-            tracker.payoff = str(self.decision)
+        for module in self._modules:
+            trackers[id(module)].payoff = str(self.decision)  # type: ignore[union-attr]
         return self.decision
 
     def _skip_static_shape_candidates(self) -> None:

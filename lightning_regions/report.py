@@ -271,6 +271,8 @@ def region_report(model: nn.Module) -> RegionReport:
     compile_off = compile_turned_off()
     filled = () if compile_off else limit_filled_before(plan, regional)
     filled_classes = {class_name for class_name, _held in filled}
+    # nothing is judged per instance where nothing compiles in this process
+    per_instance = () if compile_off else per_instance_recompiles(rows, recompiles, variants, plan)
     return RegionReport(
         rows=rows,
         alias_groups=tuple(plan.graph.own_alias_groups()),
@@ -280,9 +282,8 @@ def region_report(model: nn.Module) -> RegionReport:
         graph_breaks=graph_breaks(),
         per_instance=tuple(
             judged
-            for judged in per_instance_recompiles(rows, recompiles, variants, plan)
-            # not per instance: the limit was full, or nothing compiles in this process
-            if judged.class_name not in filled_classes and not compile_off
+            for judged in per_instance
+            if judged.class_name not in filled_classes  # not per instance: the limit was full
         )
         + nested_traced_apart(rows),
         variants=tuple(v for v in variants.values() if len(v.variants) > 1),
@@ -308,14 +309,15 @@ def limit_filled_before(plan: RegionPlan, rows: list[RegionRow]) -> tuple[tuple[
         graphs_by_class[row.class_name] = graphs_by_class.get(row.class_name, 0) + row.graphs
         if row.called and not row.ran_compiled and not row.compile_error:
             eager.add(row.class_name)
-    found: list[tuple[str, int]] = []
+    first_of_class: dict[str, Region] = {}
     for region in plan.regions:
-        name = region.class_name
-        if name not in eager or any(name == seen for seen, _held in found):
-            continue
-        held = max(graphs_held(code) for code in region_codes(region.module))
-        if held >= recompile_limit() and held > graphs_by_class[name]:
-            found.append((name, held))
+        first_of_class.setdefault(region.class_name, region)
+    found = []
+    for name, region in first_of_class.items():
+        if name in eager:
+            held = max(graphs_held(code) for code in region_codes(region.module))
+            if held >= recompile_limit() and held > graphs_by_class[name]:
+                found.append((name, held))
     return tuple(found)
 
 

@@ -53,7 +53,7 @@ from .graph import unwrap
 from .nested import GraphNesting, explain_nested_failure, graph_nesting
 from .regions import RegionPlan
 from .trampolines import CompiledForward
-from .watch import FrameCompile, FrameLog, RecompileWatch, region_codes
+from .watch import FrameCompile, FrameLog, RecompileWatch, plan_codes
 
 CompiledFn = Callable[..., Any]
 #: Calls of each region observed by ``compile_regions`` before observation ends.
@@ -490,17 +490,11 @@ def drop_gone_graphs(plan: RegionPlan) -> tuple[str, ...]:
     eager (4 widths of a block compiled 2 ways fill the 8 of torch's default). Graphs
     that a live model may still run are kept, and so are fewer: a rerun of the same
     shapes reuses them. Returns what was dropped (``"Block.forward: 8 graph(s)"``)."""
-    codes = {code for region in plan.regions for code in region_codes(region.module)}
-    crowded = [code for code in codes if 2 * graphs_held(code) >= recompile_limit()]
+    crowded = [code for code in plan_codes(plan) if 2 * graphs_held(code) >= recompile_limit()]
     if not crowded:
         return ()
     gc.collect()  # the gone models' trackers, in cycles with their models
-    live = {
-        code
-        for tracker in list(LIVE_TRACKERS)
-        for region in tracker.plan.regions
-        for code in region_codes(region.module)
-    }
+    live = {code for tracker in list(LIVE_TRACKERS) for code in plan_codes(tracker.plan)}
     dropped = []
     for code in sorted(crowded, key=lambda code: code.co_qualname):
         if code not in live:

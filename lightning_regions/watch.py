@@ -114,6 +114,11 @@ def region_codes(module: nn.Module) -> list[CodeType]:
     return [cls.forward.__code__, *(call.__code__ for call in existing_trampolines(cls))]
 
 
+def plan_codes(plan: RegionPlan) -> set[CodeType]:
+    """The code objects dynamo compiles for the regions of ``plan``."""
+    return {code for region in plan.regions for code in region_codes(region.module)}
+
+
 class RecompileWatch:
     """Running per-class tally of recompiles since this watch was created."""
 
