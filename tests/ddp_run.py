@@ -10,12 +10,11 @@ import io
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helpers import SlowAotEager, WaitForTheSwitch
+from helpers import PAYOFF_STEPS, LenientRankOne, SlowAotEager, WaitForTheSwitch
 from helpers import trainer as make_trainer
 
 from examples.lightning_gpt import CharDataModule, GPTModule
@@ -77,19 +76,6 @@ def main(mode: str, out: Path) -> None:
 
 #: Steps of the background runs: the child needs seconds to start and compile.
 BACKGROUND_STEPS = 120
-#: Steps of the payoff run: its decision comes at step 12 (payoff.py).
-PAYOFF_STEPS = 14
-
-
-class LenientRankOne(pl.Callback):
-    """Global rank 1 keeps compiled unless it is 101 times slower than eager: the ranks'
-    steps go in lockstep, so they measure alike, and only such a rule parts them."""
-
-    def on_train_start(self, trainer, module) -> None:
-        from lightning_regions import payoff
-
-        if trainer.global_rank == 1:
-            payoff.EDGE = -100.0
 
 
 def saved_loads_equal(model: GPTModule, wrapped: torch.nn.Module) -> bool:

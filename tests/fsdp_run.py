@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helpers import SeenCacheDir, trainer
+from helpers import PAYOFF_STEPS, LenientRankOne, SeenCacheDir, SlowAotEager, trainer
 
 from examples.lightning_gpt import CharDataModule, GPTModule
 from lightning_regions import (
@@ -300,6 +300,25 @@ def scenario_tie_broken(out: Path) -> dict[str, Any]:
     except Exception as error:
         return {"error": type(error).__name__, "message": str(error)}
     return {"error": None}
+
+
+def scenario_payoff_plain(out: Path) -> dict[str, Any]:
+    model = make(UserShardedGPT)
+    return summary(model, fit(model, plain(), out, steps=PAYOFF_STEPS))
+
+
+def scenario_payoff(out: Path) -> dict[str, Any]:
+    """The keep-or-revert decision under FSDP2: rank 0's compiled calls are slowed,
+    rank 1 keeps compiled unless it is 101x slower; the ranks must still agree."""
+    model = make(UserShardedGPT)
+    strategy = regional(
+        backend=SlowAotEager(only_rank=0), data_parallel_size=2, tensor_parallel_size=1
+    )
+    callbacks = [TiedWeightsCheck(), LenientRankOne()]
+    result = summary(model, fit(model, strategy, out, steps=PAYOFF_STEPS, callbacks=callbacks))
+    decision = strategy.payoff.decision
+    result |= {"kept": decision.kept, "ms": (decision.compiled_ms, decision.eager_ms)}
+    return result
 
 
 def scenario_fsdp1(out: Path) -> dict[str, Any]:

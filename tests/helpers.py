@@ -81,6 +81,28 @@ class SlowAotEager:
         return slower
 
 
+#: Steps of a run whose keep-or-revert decision is tested: it comes at step 12 (payoff.py).
+PAYOFF_STEPS = 14
+
+
+class LenientRankOne(pl.Callback):
+    """Global rank 1 keeps compiled unless it is 101 times slower than eager: the ranks'
+    steps go in lockstep, so they measure alike, and only such a rule parts them. The
+    rule is put back when the fit ends (scenarios share a process)."""
+
+    def on_train_start(self, trainer, module) -> None:
+        from lightning_regions import payoff
+
+        self.edge = payoff.EDGE
+        if trainer.global_rank == 1:
+            payoff.EDGE = -100.0
+
+    def teardown(self, trainer, module, stage) -> None:
+        from lightning_regions import payoff
+
+        payoff.EDGE = getattr(self, "edge", payoff.EDGE)
+
+
 class SeenCacheDir(pl.Callback):
     """The inductor cache directory in effect when training starts."""
 

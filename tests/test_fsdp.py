@@ -41,6 +41,8 @@ TWO_PROCESS_SCENARIOS = [
     "per_rank_eager_fallback",
     "per_rank_recompiles",
     "fsdp1",
+    "payoff_plain",
+    "payoff",
     "resume_plain_sharded",
     "resume_plain_full",
     "resume_regional_sharded",
@@ -181,6 +183,19 @@ def test_each_rank_starts_warm_from_checkpoint_artifacts(tmp_path):
         # an empty cache directory per rank: every graph comes from the checkpoint
         assert result["warm"]["fxgraph_hit"] == result["cold"]["fxgraph_miss"]
         assert result["warm"]["fxgraph_miss"] == 0
+
+
+@pytest.mark.ddp
+def test_every_rank_takes_the_same_keep_or_revert_decision_under_fsdp2(runs):
+    # rank 0 measures compiled slower; rank 1, in lockstep, would keep it: they agree
+    ours, plain = ranks(runs, "payoff"), ranks(runs, "payoff_plain")
+    compiled_ms, eager_ms = ours[0]["ms"]
+    assert compiled_ms > eager_ms
+    assert ours[1]["ms"][0] < 101 * ours[1]["ms"][1]
+    assert [rank["kept"] for rank in ours] == [False, False]
+    assert [rank["compiled"] for rank in ours] == [False, False]
+    assert [rank["tie_is_one"] for rank in ours] == [True, True]
+    assert_same_training(ours, plain)
 
 
 @pytest.mark.ddp
