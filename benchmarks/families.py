@@ -270,8 +270,8 @@ def loss(model: Any, kind: str, generator: Any) -> Any:
     raise ValueError(kind)
 
 
-def child(spec: str) -> dict[str, Any]:
-    """Train one model both ways in this process; the record as a dict."""
+def child(spec: str, steps: int = STEPS) -> dict[str, Any]:
+    """Train one model both ways in this process, ``steps`` steps; the record as a dict."""
     import logging
 
     import lightning.pytorch as pl
@@ -304,11 +304,11 @@ def child(spec: str) -> dict[str, Any]:
 
     def fit(strategy: Any) -> tuple[Module, list[str], float]:
         module = Module()
-        loader = torch.utils.data.DataLoader(range(BATCH * STEPS), batch_size=BATCH)
+        loader = torch.utils.data.DataLoader(range(BATCH * steps), batch_size=BATCH)
         start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            quiet_trainer(strategy, steps=STEPS).fit(module, loader)
+            quiet_trainer(strategy, steps=steps).fit(module, loader)
         ours = [
             f"{w.category.__name__}: {str(w.message)[:600]}"
             for w in caught
@@ -353,11 +353,13 @@ def child(spec: str) -> dict[str, Any]:
         "warnings": by_category,
         "warning_texts": warned,
         "seconds": round(seconds, 1),
+        "steps": steps,
+        "gate": report.payoff,  # decided from step 12 (payoff.py); "" before
     }
 
 
-def run_one(spec: str, timeout: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", spec]
+def run_one(spec: str, timeout: int, steps: int = STEPS) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", spec, "--steps", str(steps)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     try:
         done = subprocess.run(
@@ -399,6 +401,10 @@ def markdown(records: list[dict[str, Any]], title: str) -> str:
             f"{', '.join(r['bounded']) or '-'} | {r['ran_eager']} | {r['never_called']} | "
             f"{warnings_seen} | {'yes' if r['losses_equal'] else r['max_loss_difference']} |"
         )
+    gated = [r for r in trained if r.get("gate")]
+    if gated:
+        lines += ["", "The keep-or-revert gate, on each model's steps under ours:", ""]
+        lines += [f"- {r['model']}: {r['gate']}" for r in gated]
     return "\n".join(lines) + "\n"
 
 
@@ -408,12 +414,15 @@ def main() -> None:
     parser.add_argument("--sweep", choices=["causal-lm"])
     parser.add_argument("--only", default="", help="comma-separated model names")
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument(
+        "--steps", type=int, default=STEPS, help="14 or more: through the keep-or-revert gate"
+    )
     parser.add_argument("--resume", action="store_true", help="keep the records in --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.child:
         warnings.filterwarnings("ignore")
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child, args.steps)))
         return
     if args.sweep:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -428,6 +437,8 @@ def main() -> None:
         names, source, stem, title = list(FAMILIES), "named", "families", "Model families"
     if args.only:
         names = [name for name in names if name in args.only.split(",")]
+    if args.steps != STEPS:
+        stem, title = f"{stem}_{args.steps}_steps", f"{title}, {args.steps} steps"
     results = args.out / f"{stem}.json"
     done = json.loads(results.read_text()) if args.resume and results.exists() else []
     done = done["records"] if isinstance(done, dict) else done  # a finished or a cut sweep
@@ -436,7 +447,7 @@ def main() -> None:
     for name in names:
         if any(record["model"] == name for record in records):
             continue
-        record = run_one(f"{source}:{name}", args.timeout)
+        record = run_one(f"{source}:{name}", args.timeout, args.steps)
         print(f"{name}: {record['status']} {record.get('warnings', '')}", flush=True)
         records.append(record)
         results.write_text(json.dumps(records, indent=1))  # a long sweep keeps what it has

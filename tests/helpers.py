@@ -60,14 +60,21 @@ class FailsOnLayerNorm:
 
 class SlowAotEager:
     """torch's ``aot_eager`` (or ``backend``), each compiled call made ``seconds`` slower
-    (on global rank ``only_rank`` alone, when given): compiled loses against eager."""
+    (on global rank ``only_rank`` alone, when given): compiled loses against eager.
+    ``per_row``: ``seconds`` for each row of the call's inputs that are not parameters, so
+    a compiled step is slower by a factor, whatever its batch's size."""
 
     def __init__(
-        self, only_rank: int | None = None, backend: str = "aot_eager", seconds: float = 0.03
+        self,
+        only_rank: int | None = None,
+        backend: str = "aot_eager",
+        seconds: float = 0.03,
+        per_row: bool = False,
     ) -> None:
         self.only_rank = only_rank
         self.backend = backend
         self.seconds = seconds
+        self.per_row = per_row
 
     def __call__(self, gm, example_inputs):
         compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
@@ -75,7 +82,9 @@ class SlowAotEager:
             return compiled
 
         def slower(*args):
-            time.sleep(self.seconds)
+            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.dim()]
+            rows = sum(a.shape[0] for a in inputs if not isinstance(a, nn.Parameter))
+            time.sleep(self.seconds * (rows if self.per_row else 1))
             return compiled(*args)
 
         return slower
