@@ -130,7 +130,8 @@ class RegionalCompileFabricMixin(RegionalCompileBase, FabricStrategy):
             tracker = tracker_of(module)
             if tracker is None or any(r.module is module for r in tracker.plan.regions):
                 continue
-            hooks.append(module.register_forward_pre_hook(TrainingForwardHook(self.payoff)))
+            hook = TrainingForwardHook(self.payoff)
+            hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         self._timing_hooks = tuple(hooks)
 
     def _stop_timing_forwards(self) -> None:

@@ -380,22 +380,28 @@ class Phase:
         return statistics.median(by_way[0]), statistics.median(by_way[1])
 
 
+def passes_through(module: Any, args: Any, kwargs: Any) -> None:
+    """A forward pre-hook (``with_kwargs=True``) that changes nothing: what a
+    ``TrainingForwardHook`` becomes in a copy of its module."""
+
+
 class TrainingForwardHook:
-    """A forward pre-hook that starts ``payoff``'s timed step at a forward with grad (a
+    """A forward pre-hook (``with_kwargs=True``: ``model(**batch)`` has its batch in its
+    keyword arguments) that starts ``payoff``'s timed step at a forward with grad (a
     Fabric loop's training forward; a ``no_grad`` validation starts nothing). Pickled
-    and copied as a hook of builtins that passes its arguments through unchanged
-    (``{}.get(module, args)`` is ``args``): a copy of the module made while the gate
-    times is a plain model, as the tracker's ``__reduce__`` makes it."""
+    and copied as ``functools.partial(passes_through)``: a copy of the module made while
+    the gate times holds none of the gate's state, as the tracker's ``__reduce__``
+    makes it."""
 
     def __init__(self, payoff: CompilePayoff) -> None:
         self.payoff = payoff
 
-    def __call__(self, module: Any, args: Any) -> None:
+    def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled():
-            self.payoff.training_starts(args)
+            self.payoff.training_starts((args, kwargs))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (functools.partial, (dict.get, {}))
+        return (functools.partial, (passes_through,))
 
 
 class CompilePayoff:
