@@ -62,6 +62,11 @@ class FirstStepReporter:
         """Whether ``module``'s first optimizer step in this setup was reported."""
         return id(module) in self._reported
 
+    def runs_eager(self, module: Any) -> None:
+        """``module``'s regions run eager in this setup (as an earlier decision chose):
+        its first step has nothing compiled to report."""
+        self._reported.add(id(module))
+
     def after_optimizer_step(self, module: Any, phase: str = "training") -> None:
         """Watch recompiles; after the first step, report once and end observation."""
         tracker = tracker_of(module)

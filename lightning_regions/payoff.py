@@ -21,9 +21,9 @@ two speeds for tens of seconds at a time (plain eager steps of the tiny GPT at w
 49-51 ms, then 68-75 ms, with nothing else running and no steal time): windows of one way
 and then the other would compare two speeds of the machine, turns compare the ways.
 
-The decision, once per setup that trains, agreed by every process (each boolean must
-hold on all of them, so ranks never train different code), and then never changed, so
-noise cannot flip it back and forth:
+The decision, once per model and strategy (its later setups reuse it: ``Decided``),
+agreed by every process (each boolean must hold on all of them, so ranks never train
+different code), and then never changed, so noise cannot flip it back and forth:
 
 1. a candidate replaces the compiled calls only when its median step is at least ``EDGE``
    (1%) shorter than theirs and it ran as it claims (CUDA graphs that inductor skipped,
@@ -77,6 +77,7 @@ import itertools
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -553,6 +554,27 @@ class CompilePayoff:
         return PayoffDecision(
             compiled_ms, eager_ms, chosen, tuple(figures), first.scaling, first.uncounted
         )
+
+
+class Decided:
+    """Each module's decision, kept for its later setups by the same strategy (a later
+    ``fit``, ``validate``...): held weakly, so a module gone takes its decision with it;
+    pickled and copied empty (``torch.save(trainer)``, a spawned process), as a decision
+    holds for the process that measured it."""
+
+    def __init__(self) -> None:
+        self._by_module: weakref.WeakKeyDictionary[Any, PayoffDecision] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def record(self, modules: Sequence[Any], decision: PayoffDecision) -> None:
+        self._by_module.update(dict.fromkeys(modules, decision))
+
+    def get(self, module: Any) -> PayoffDecision | None:
+        return self._by_module.get(module)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Decided, ())
 
 
 def agreed_over_processes(phases: list[TimedSteps], processes: Processes) -> list[TimedSteps]:

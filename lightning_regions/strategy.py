@@ -32,11 +32,11 @@ from .compat import (
     compiled_by_torch_compile_context,
     compiled_call,
 )
-from .compile import EAGER, tracker_of
+from .compile import COMPILED, EAGER, tracker_of, use_region_calls
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
 from .options import RegionalOptions, split_options, takes_options
-from .payoff import Candidate, CompilePayoff, cuda_graphs_candidate
+from .payoff import Candidate, CompilePayoff, Decided, cuda_graphs_candidate
 from .recipe import CompileRecipe
 from .regions import RegionPlan, find_regions
 from .report import region_report
@@ -95,6 +95,8 @@ class RegionalCompileBase:
         self.payoff: CompilePayoff | None = None
         #: What the background switch compiles: (module, root_is_called, plan, recipe).
         self._compile_at_switch: tuple[Any, bool, RegionPlan, CompileRecipe] | None = None
+        #: The keep-or-revert decision each module got here, kept for its later setups.
+        self.decided = Decided()
 
     @property
     def compile_kwargs(self) -> dict[str, Any]:
@@ -186,6 +188,7 @@ class RegionalCompileBase:
             decision = self.payoff.at_step_boundary(modules, self)  # type: ignore[arg-type]
             if decision is not None:
                 rank_zero_info(f"regional compile on this run's steps: {decision}")
+                self.decided.record(modules, decision)
 
     def _compile_now(
         self, module: Any, root_is_called: bool, plan: RegionPlan | None, recipe: CompileRecipe
@@ -193,9 +196,20 @@ class RegionalCompileBase:
         recipe.compile(module, plan, root_is_called)
         rank_zero_info(f"{region_report(module)}")
         self.reporter.enter()
+        self.payoff = None
+        earlier = self.decided.get(module)
+        if earlier is not None and earlier.chosen in (COMPILED, EAGER):
+            # decided once: a later fit, validate, test or predict of this module here
+            # runs the regions as decided, with no timing that could decide otherwise
+            if earlier.chosen == EAGER:
+                use_region_calls(module, EAGER)
+                self.reporter.runs_eager(module)
+            rank_zero_info(f"regional compile, as decided on an earlier fit here: {earlier}")
+            return
         # nothing to time where torch.compile is turned off: the report says why
         pays = self.options.keep_if_faster and self.trains_here() and not compile_turned_off()
-        self.payoff = CompilePayoff(self.payoff_candidates(), self.EAGER_TURN) if pays else None
+        if pays:
+            self.payoff = CompilePayoff(self.payoff_candidates(), self.EAGER_TURN)
 
     def payoff_candidates(self) -> tuple[Candidate, ...]:
         """The ways besides compiled and eager that ``keep_if_faster`` times: none here

@@ -83,6 +83,53 @@ def test_a_backend_slower_than_eager_is_reverted_and_training_goes_on_as_eager(t
     assert len(held) == len(set(held)) == len(list(model.parameters()))
 
 
+class SeesCompiledCalls(pl.Callback):
+    """Whether any block had its compiled call in place at each training and validation
+    batch's start."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool]] = []
+
+    def _see(self, what: str, module) -> None:
+        self.seen.append((what, any(b._compiled_call_impl is not None for b in blocks(module))))
+
+    def on_train_batch_start(self, trainer, module, *args) -> None:
+        self._see("train", module)
+
+    def on_validation_batch_start(self, trainer, module, *args) -> None:
+        self._see("validation", module)
+
+
+def test_a_later_fit_and_validate_of_a_reverted_model_run_eager_as_decided(tmp_path, caplog):
+    """Decided once: the same Trainer's next ``fit`` (training on) and ``validate`` of the
+    model run the regions eager from their start, time nothing and say why; training
+    equals plain Lightning's through all three."""
+    model, plain, seen = gpt(), gpt(), SeesCompiledCalls()
+    strategy = RegionalCompileStrategy(backend=SlowAotEager())
+    ours = trainer(tmp_path, strategy, STEPS, [seen], validate=True)
+    ours.fit(model, data())
+    decision = strategy.payoff.decision
+    assert decision is not None and not decision.kept
+    seen.seen.clear()
+    ours.fit_loop.epoch_loop.max_steps = 2 * STEPS
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        ours.fit(model, data())
+        assert strategy.payoff is None  # nothing timed
+        ours.validate(model, data(), verbose=False)
+    assert seen.seen and not any(compiled for _, compiled in seen.seen), seen.seen
+    assert {what for what, _ in seen.seen} == {"train", "validation"}
+    said = f"regional compile, as decided on an earlier fit here: {decision}"
+    assert caplog.text.count(said) == 2
+    assert "after first step" not in caplog.text  # nothing compiled ran to report
+    plain_trainer = trainer(tmp_path, "auto", STEPS, validate=True)
+    plain_trainer.fit(plain, data())
+    plain_trainer.fit_loop.epoch_loop.max_steps = 2 * STEPS
+    plain_trainer.fit(plain, data())
+    assert len(model.losses) == 2 * STEPS
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
 def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path):
     early = RegionalCompileStrategy(backend=SlowAotEager())
     model = gpt()
