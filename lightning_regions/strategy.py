@@ -204,7 +204,11 @@ class RegionalCompileBase:
             if earlier.chosen == EAGER:
                 use_region_calls(module, EAGER)
                 self.reporter.runs_eager(module)
-            rank_zero_info(f"regional compile, as decided on an earlier fit here: {earlier}")
+            said = f"as decided on an earlier fit here: {earlier}"
+            tracker = tracker_of(module)
+            if tracker is not None:  # the region report says it too
+                tracker.payoff = said
+            rank_zero_info(f"regional compile, {said}")
             return
         # nothing to time where torch.compile is turned off: the report says why
         pays = self.options.keep_if_faster and self.trains_here() and not compile_turned_off()
