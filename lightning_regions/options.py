@@ -133,8 +133,8 @@ class RegionalOptions:
             "of each), on one CUDA device also with CUDA graphs (shapes not varying), "
             "and keep the fastest, compiled only where that is at least 1% faster, agreed "
             "by every process; the log and the report give the figures and the decision, "
-            "once: the same Trainer's later fit, validate, test or predict of the model "
-            "follow it (docs/diagnosis.md). ``False``: always compiled."
+            "once a fit; the same Trainer's validate, test and predict of the model follow "
+            "it (docs/diagnosis.md). ``False``: always compiled."
         ),
     )
     granularity: Literal["regions", "nested"] = field(

@@ -21,9 +21,10 @@ two speeds for tens of seconds at a time (plain eager steps of the tiny GPT at w
 49-51 ms, then 68-75 ms, with nothing else running and no steal time): windows of one way
 and then the other would compare two speeds of the machine, turns compare the ways.
 
-The decision, once per model and strategy (its later setups reuse it: ``Decided``),
-agreed by every process (each boolean must hold on all of them, so ranks never train
-different code), and then never changed, so noise cannot flip it back and forth:
+The decision, once per ``fit`` (the same strategy's ``validate``, ``test`` and
+``predict`` of the model follow it: ``Decided``), agreed by every process (each boolean
+must hold on all of them, so ranks never train different code), and then never changed,
+so noise cannot flip it back and forth:
 
 1. a candidate replaces the compiled calls only when its median step is at least ``EDGE``
    (1%) shorter than theirs and it ran as it claims (CUDA graphs that inductor skipped,
@@ -557,8 +558,8 @@ class CompilePayoff:
 
 
 class Decided:
-    """Each module's decision, kept for its later setups by the same strategy (a later
-    ``fit``, ``validate``...): held weakly, so a module gone takes its decision with it;
+    """Each module's last decision, kept for its ``validate``, ``test`` and ``predict``
+    by the same strategy: held weakly, so a module gone takes its decision with it;
     pickled and copied empty (``torch.save(trainer)``, a spawned process), as a decision
     holds for the process that measured it."""
 

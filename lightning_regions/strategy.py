@@ -197,10 +197,10 @@ class RegionalCompileBase:
         rank_zero_info(f"{region_report(module)}")
         self.reporter.enter()
         self.payoff = None
-        earlier = self.decided.get(module)
+        # a fit measures its own steps (its batch size, its trainable layers); validate,
+        # test and predict after it run the regions as its decision chose
+        earlier = None if self.trains_here() else self.decided.get(module)
         if earlier is not None and earlier.chosen in (COMPILED, EAGER):
-            # decided once: a later fit, validate, test or predict of this module here
-            # runs the regions as decided, with no timing that could decide otherwise
             if earlier.chosen == EAGER:
                 use_region_calls(module, EAGER)
                 self.reporter.runs_eager(module)
