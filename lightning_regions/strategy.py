@@ -95,8 +95,10 @@ class RegionalCompileBase:
         self.payoff: CompilePayoff | None = None
         #: What the background switch compiles: (module, root_is_called, plan, recipe).
         self._compile_at_switch: tuple[Any, bool, RegionPlan, CompileRecipe] | None = None
-        #: The keep-or-revert decision each module got here, kept for its later setups.
+        #: Each module's last keep-or-revert decision, for its validate, test, predict.
         self.decided = Decided()
+        #: Whether a setup compiled here and has not been torn down yet.
+        self._set_up = False
 
     @property
     def compile_kwargs(self) -> dict[str, Any]:
@@ -128,6 +130,7 @@ class RegionalCompileBase:
             self._compile_at_switch = None
         self.compile_cache.exit()
         self.environment.exit()
+        self._set_up = False
 
     def trains_here(self) -> bool:
         """Whether this setup runs optimizer steps, at whose boundaries the background
@@ -141,6 +144,7 @@ class RegionalCompileBase:
         with ``compile_in_background`` in a setup that trains, start the background
         compile instead (``background.BackgroundCompile``)."""
         _refuse_whole_model_compile(module)
+        self._set_up = True
         self.compile_cache.enter()
         self.environment.enter(module)
         recipe = CompileRecipe(self.options, self.eager_hooks)  # after the environment's flags
@@ -283,6 +287,13 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if self.attached_trainer() is None:
             return checkpoint
+        if self._set_up and self.payoff is not None and self.payoff.phases:
+            self.payoff.restart()
+            rank_zero_info(
+                "regional compile: a checkpoint restored mid-fit rolled back the steps "
+                "timed so far (Lightning's batch-size and learning-rate searches do after "
+                "their trials): the keep-or-revert decision is made on the steps that follow"
+            )
         self.compile_cache.enter()  # artifacts are written into the run's compile cache
         unpack_artifacts(
             checkpoint.get(CHECKPOINT_KEY),

@@ -131,6 +131,29 @@ def test_validate_after_a_reverted_fit_runs_eager_and_a_later_fit_measures_again
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
+def test_a_batch_size_search_in_the_fit_is_not_timed_for_the_training_after_it(tmp_path, caplog):
+    """Lightning's ``BatchSizeFinder`` trains trial steps at batch sizes 2, 4 and 8 in the
+    fit, then restores the checkpoint it took before them: the steps timed so far are
+    rolled back, and the decision is made on the training's own steps (batches of 8)."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    def search() -> BatchSizeFinder:
+        return BatchSizeFinder(init_val=2, steps_per_trial=3, max_trials=3)
+
+    model, plain = gpt(), gpt()
+    strategy = RegionalCompileStrategy(backend=SlowAotEager())
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, strategy, STEPS, [search()]).fit(model, data())
+    trainer(tmp_path, "auto", STEPS, [search()]).fit(plain, data())
+    assert "rolled back the steps timed so far" in caplog.text
+    decision = strategy.payoff.decision
+    assert decision is not None and not decision.kept and decision.scaling is None
+    real_batch = 2 * 8 * SMALL["block_size"]  # inputs and targets, 8 x block_size each
+    assert strategy.payoff.phases[0].clock.batch_elements() == [real_batch] * (2 * WINDOW)
+    assert len(model.losses) == 3 * 3 + STEPS
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
 def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path):
     early = RegionalCompileStrategy(backend=SlowAotEager())
     model = gpt()
