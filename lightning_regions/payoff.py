@@ -431,13 +431,12 @@ class CompilePayoff:
             self._use(COMPILED)
             self.cuda_graphs = False
 
-    def restart(self) -> None:
+    def rolled_back(self) -> None:
         """The steps timed so far were rolled back (a checkpoint restored mid-fit, as
         Lightning's batch-size and learning-rate searches do after their trial steps):
-        the regions run compiled again, and the decision is made anew on the steps that
-        follow."""
+        the regions run compiled again, as before any timing; the steps that follow are
+        timed by a new ``CompilePayoff``."""
         self._use(COMPILED)
-        self.phases, self.decision, self.cuda_graphs, self._modules = [], None, False, []
 
     def _use(self, way: str) -> None:
         """Run every timed module's regions ``way`` (``compile.use_region_calls``)."""

@@ -288,7 +288,8 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
         if self.attached_trainer() is None:
             return checkpoint
         if self._set_up and self.payoff is not None and self.payoff.phases:
-            self.payoff.restart()
+            self.payoff.rolled_back()
+            self.payoff = CompilePayoff(self.payoff.candidates, self.payoff.eager_turn)
             rank_zero_info(
                 "regional compile: a checkpoint restored mid-fit rolled back the steps "
                 "timed so far (Lightning's batch-size and learning-rate searches do after "

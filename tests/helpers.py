@@ -58,6 +58,12 @@ class FailsOnLayerNorm:
         return gm.forward
 
 
+def rows_of(args) -> int:
+    """The rows of a compiled call's inputs that are not parameters."""
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.dim()]
+    return sum(a.shape[0] for a in inputs if not isinstance(a, nn.Parameter))
+
+
 class SlowAotEager:
     """torch's ``aot_eager`` (or ``backend``), each compiled call made ``seconds`` slower
     (on global rank ``only_rank`` alone, when given): compiled loses against eager.
@@ -82,9 +88,7 @@ class SlowAotEager:
             return compiled
 
         def slower(*args):
-            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.dim()]
-            rows = sum(a.shape[0] for a in inputs if not isinstance(a, nn.Parameter))
-            time.sleep(self.seconds * (rows if self.per_row else 1))
+            time.sleep(self.seconds * (rows_of(args) if self.per_row else 1))
             return compiled(*args)
 
         return slower
