@@ -326,7 +326,8 @@ def child(spec: str, steps: int = STEPS) -> dict[str, Any]:
     except Exception as error:
         return failed("plain fails", error)
     try:
-        ours, warned, seconds = fit(RegionalCompileStrategy(backend="aot_eager"))
+        strategy = RegionalCompileStrategy(backend="aot_eager")
+        ours, warned, seconds = fit(strategy)
     except Exception as error:
         return failed("ours fails", error)
     report = region_report(ours)
@@ -354,7 +355,8 @@ def child(spec: str, steps: int = STEPS) -> dict[str, Any]:
         "warning_texts": warned,
         "seconds": round(seconds, 1),
         "steps": steps,
-        "gate": report.payoff,  # decided from step 12 (payoff.py); "" before
+        # decided from step 12 (payoff.py); "" before
+        "gate": str(strategy.payoff.decision or "") if strategy.payoff else "",
     }
 
 

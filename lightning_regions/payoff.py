@@ -424,12 +424,31 @@ class CompilePayoff:
         self.cuda_graphs = False  # whether the regions' training calls may be CUDA graphs
         self._modules: list[Any] = []  # the modules timed, once timing began
 
-    def end(self) -> None:
+    def end(self) -> str | None:
         """The run ends: where it ended before the decision (mid-turn), the regions run
-        compiled again, not the way that turn left them."""
-        if self.decision is None:
-            self._use(COMPILED)
-            self.cuda_graphs = False
+        compiled again, not the way that turn left them, and the region report says how
+        far the gate got (``undecided``, returned; None where decided or never begun)."""
+        if self.decision is not None or not self.phases:
+            return None
+        self._use(COMPILED)
+        self.cuda_graphs = False
+        said = self.undecided()
+        for module in self._modules:
+            tracker = tracker_of(module)
+            if tracker is not None:
+                tracker.payoff = said
+        return said
+
+    def undecided(self) -> str:
+        """What a run that ended before the decision says: how many of the gate's steps
+        it ran (counted from the first compiled one), and that the regions stay compiled,
+        unmeasured against eager."""
+        steps = sum(phase.steps for phase in self.phases)
+        needed = SETTLE + 1 + 2 * WINDOW + len(self.candidates) * (CANDIDATE_SETTLE + 2 * WINDOW)
+        return (
+            f"not decided: the run ended after {steps} of the {needed} steps the "
+            "keep-or-revert gate times; the regions stay compiled, unmeasured against eager"
+        )
 
     def rolled_back(self) -> None:
         """The steps timed so far were rolled back (a checkpoint restored mid-fit, as

@@ -120,9 +120,12 @@ class RegionalCompileBase:
 
     def leave_parts(self) -> None:
         """Leave what setup entered: an undecided keep-or-revert (the regions compiled
-        again), the background compile, the compile cache and the compile environment."""
+        again; the log says how far it got), the background compile, the compile cache
+        and the compile environment."""
         if self.payoff is not None:
-            self.payoff.end()
+            undecided = self.payoff.end()
+            if undecided is not None:
+                rank_zero_info(f"regional compile on this run's steps: {undecided}")
         if self.background is not None:
             if not self.background.switched and self._compile_at_switch is not None:
                 rank_zero_info(self.background.summary())

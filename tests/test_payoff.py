@@ -164,11 +164,15 @@ def test_a_batch_size_search_in_the_fit_is_not_timed_for_the_training_after_it(
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
-def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path):
+def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path, caplog):
     early = RegionalCompileStrategy(backend=SlowAotEager())
     model = gpt()
-    trainer(tmp_path, early, SETTLE + 1).fit(model, data())  # ends as the eager turn is set
+    with caplog.at_level("INFO"):  # ends as the eager turn is set
+        trainer(tmp_path, early, SETTLE + 1).fit(model, data())
     assert early.payoff.decision is None
+    said = f"not decided: the run ended after {SETTLE + 1} of the {DECIDED_AFTER} steps"
+    assert f"regional compile on this run's steps: {said}" in caplog.text
+    assert f"on this run's steps: {said}" in str(region_report(model))
     calls = [block._compiled_call_impl for block in blocks(model)]  # the Trainer's teardown
     assert all(call is not None and not isinstance(call, WhileTraining) for call in calls)
     off = RegionalCompileStrategy(backend=SlowAotEager(), keep_if_faster=False)
