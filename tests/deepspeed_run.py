@@ -7,8 +7,10 @@ Usage: python tests/deepspeed_run.py OUT_DIR BACKEND:STAGE [BACKEND:STAGE ...]
 Each rank writes OUT_DIR/rank<r>.pt: plain DeepSpeed's run of each stage named, and ours
 with each backend named, by (backend, stage), plain's backend None: losses and gathered
 parameters, and ours' compile records (the frames dynamo compiled, the files of the code
-traced into each graph, the region report's counts). Both ranks run one pair of
-processes, which sets DeepSpeed up once.
+traced into each graph, the region report's counts). ``gate:STAGE`` and
+``gate-plain:STAGE``: the keep-or-revert gate through its decision, and plain DeepSpeed
+over the same steps (``train``). Both ranks run one pair of processes, which sets
+DeepSpeed up once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WORLD = 2
 STEPS = 4
+#: The runs of the keep-or-revert gate under ZeRO-3 (ours) and of plain DeepSpeed beside it.
+GATE, GATE_PLAIN = "gate", "gate-plain"
+GATES = (GATE, GATE_PLAIN)
 
 
 class RecordingBackend:
@@ -44,29 +49,43 @@ class RecordingBackend:
         return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
 
 
-def model_and_batches(rank: int):
+def model_and_batches(rank: int, steps: int):
     from examples.lightning_gpt import CharDataModule, GPTModule
 
     data = CharDataModule(block_size=16, batch_size=4)
     module = GPTModule(vocab_size=data.vocab_size, block_size=16, n_layer=4, n_head=2, n_embd=16)
-    batches = list(data.train_dataloader())[rank : WORLD * STEPS : WORLD]  # this rank's share
+    batches = list(data.train_dataloader())[rank : WORLD * steps : WORLD]  # this rank's share
     return module, batches
 
 
 def train(stage: int, backend: str | None, rank: int) -> dict:
     """``STEPS`` steps of ZeRO stage ``stage``: plain DeepSpeed when ``backend`` is None,
-    else the regions compiled by our strategy's wrap hook with ``backend``."""
+    else the regions compiled by our strategy's wrap hook with ``backend``, the report
+    made after the first step. ``GATE`` (``PAYOFF_STEPS`` steps): the keep-or-revert gate
+    at every step, aot_eager's compiled calls slowed on rank 0 alone and rank 1 lenient,
+    so the ranks would decide apart unless they agree; ``GATE_PLAIN``: plain DeepSpeed
+    over the same steps."""
     import deepspeed
+    from helpers import PAYOFF_STEPS, SlowAotEager
+    from lightning.fabric.plugins.environments import LightningEnvironment
     from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
-    from lightning_regions import RegionalCompileDeepSpeedStrategy, region_report
+    from lightning_regions import RegionalCompileDeepSpeedStrategy, payoff, region_report
 
     torch._dynamo.reset()
     clear_compilation_metrics()
-    module, batches = model_and_batches(rank)
-    strategy = RegionalCompileDeepSpeedStrategy(
-        stage=stage, backend=RecordingBackend(backend or "eager")
-    )
+    gate = backend == GATE
+    module, batches = model_and_batches(rank, PAYOFF_STEPS if backend in GATES else STEPS)
+    backend = None if backend == GATE_PLAIN else backend
+    compiler = SlowAotEager(only_rank=0) if gate else RecordingBackend(backend or "eager")
+    strategy = RegionalCompileDeepSpeedStrategy(stage=stage, backend=compiler)
+    # what Lightning's accelerator connector gives the strategy: its devices, its ranks
+    strategy.parallel_devices = [torch.device("cpu")] * WORLD
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.set_world_ranks()
+    edge = payoff.EDGE
+    if gate and rank == 1:
+        payoff.EDGE = -100.0  # keeps compiled unless 101 times slower: only agreeing reverts
     config = {
         **strategy.config,
         "train_micro_batch_size_per_gpu": 4,
@@ -87,8 +106,9 @@ def train(stage: int, backend: str | None, rank: int) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        if step == 0 and backend is not None:
-            strategy.at_step_boundary(module)  # what its optimizer_step does: the report
+        if (step == 0 or gate) and backend is not None:
+            strategy.at_step_boundary(module)  # what its optimizer_step does
+    payoff.EDGE = edge
     parameters = list(module.parameters())
     with deepspeed.zero.GatheredParameters(parameters, enabled=stage == 3):
         state = {name: p.detach().clone() for name, p in module.named_parameters()}
@@ -103,7 +123,14 @@ def train(stage: int, backend: str | None, rank: int) -> dict:
             if "recompile limit" in (m.fail_reason or "")
         ],
     }
-    if backend is not None:
+    if gate:
+        decision = strategy.payoff.decision
+        result["decision"] = None if decision is None else decision.chosen
+        result["said"] = str(decision)
+        result["forwards_compiled"] = ["forward" in vars(b) for b in module.model.blocks]
+        result["keys"] = list(module.state_dict())
+        strategy.leave_parts()
+    elif backend is not None:
         report = region_report(module)
         result["traced_files"] = sorted(strategy.options.compile_kwargs["backend"].traced_files)
         result["graphs"] = sum(row.graphs for row in report.rows)
@@ -127,7 +154,7 @@ def worker(rank: int, port: int, runs: list[tuple[str, int]], out: Path) -> None
     deepspeed.ops.__compatible_ops__ = {}
     deepspeed.utils.logging.logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    stages = sorted({stage for _, stage in runs})
+    stages = sorted({stage for backend, stage in runs if backend not in GATES})
     results = {(None, stage): train(stage, None, rank) for stage in stages}
     results |= {(backend, stage): train(stage, backend, rank) for backend, stage in runs}
     torch.save(results, out / f"rank{rank}.pt")
