@@ -585,9 +585,10 @@ class CompilePayoff:
 
 class Decided:
     """Each module's last decision, kept for its ``validate``, ``test`` and ``predict``
-    by the same strategy: held weakly, so a module gone takes its decision with it;
-    pickled and copied empty (``torch.save(trainer)``, a spawned process), as a decision
-    holds for the process that measured it."""
+    by the same strategy until a new fit of it begins timing (``forget``): held weakly,
+    so a module gone takes its decision with it; pickled and copied empty
+    (``torch.save(trainer)``, a spawned process), as a decision holds for the process
+    that measured it."""
 
     def __init__(self) -> None:
         self._by_module: weakref.WeakKeyDictionary[Any, PayoffDecision] = (
@@ -599,6 +600,12 @@ class Decided:
 
     def get(self, module: Any) -> PayoffDecision | None:
         return self._by_module.get(module)
+
+    def forget(self, modules: Sequence[Any]) -> None:
+        """A new fit of ``modules`` measures its own steps: until it decides, what they
+        follow is its state (compiled), not an earlier fit's decision."""
+        for module in modules:
+            self._by_module.pop(module, None)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Decided, ())

@@ -221,6 +221,7 @@ class RegionalCompileBase:
         pays = self.options.keep_if_faster and self.trains_here() and not compile_turned_off()
         if pays:
             self.payoff = CompilePayoff(self.payoff_candidates(), self.EAGER_TURN)
+            self.decided.forget([module])
 
     def payoff_candidates(self) -> tuple[Candidate, ...]:
         """The ways besides compiled and eager that ``keep_if_faster`` times: none here
@@ -292,6 +293,7 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
             return checkpoint
         if self._set_up and self.payoff is not None and self.payoff.phases:
             self.payoff.rolled_back()
+            self.decided.forget([self.lightning_module])
             self.payoff = CompilePayoff(self.payoff.candidates, self.payoff.eager_turn)
             rank_zero_info(
                 "regional compile: a checkpoint restored mid-fit rolled back the steps "

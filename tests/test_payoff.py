@@ -105,7 +105,8 @@ def test_validate_after_a_reverted_fit_runs_eager_and_a_later_fit_measures_again
 ):
     """The same Trainer's ``validate`` after a fit that reverted runs the regions eager
     from its start, times nothing and says why; a later ``fit`` measures its own steps
-    again (here to the same decision); training equals plain Lightning's throughout.
+    again (here to the same decision), and until it decides its ``validate`` runs the
+    regions compiled; training equals plain Lightning's throughout.
     What follows a revert is tested, not the timing: compiled must be 100x faster to
     stay (a loaded machine once timed both ways alike)."""
     monkeypatch.setattr(payoff, "EDGE", 0.99)
@@ -128,11 +129,21 @@ def test_validate_after_a_reverted_fit_runs_eager_and_a_later_fit_measures_again
     ours.fit(model, data())
     again = strategy.payoff.decision
     assert again is not None and again is not decision and not again.kept
+    # a fit that ends before its decision: the regions stay compiled, and so does validate
+    ours.fit_loop.epoch_loop.max_steps = 2 * STEPS + SETTLE
+    ours.fit(model, data())
+    assert strategy.payoff.decision is None
+    seen.seen.clear()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        ours.validate(model, data(), verbose=False)
+    assert seen.seen and all(compiled for _, compiled in seen.seen), seen.seen
+    assert "as decided on an earlier fit" not in caplog.text
     plain_trainer = trainer(tmp_path, "auto", STEPS, validate=True)
-    plain_trainer.fit(plain, data())
-    plain_trainer.fit_loop.epoch_loop.max_steps = 2 * STEPS
-    plain_trainer.fit(plain, data())
-    assert len(model.losses) == 2 * STEPS
+    for steps in (STEPS, 2 * STEPS, 2 * STEPS + SETTLE):
+        plain_trainer.fit_loop.epoch_loop.max_steps = steps
+        plain_trainer.fit(plain, data())
+    assert len(model.losses) == 2 * STEPS + SETTLE
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
