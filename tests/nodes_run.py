@@ -31,7 +31,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from helpers import WaitForTheSwitch, is_running  # noqa: E402
+from helpers import (  # noqa: E402
+    PAYOFF_STEPS,
+    LenientRankOne,
+    SlowAotEager,
+    WaitForTheSwitch,
+    is_running,
+)
 from helpers import trainer as make_trainer  # noqa: E402
 
 from lightning_regions import (  # noqa: E402
@@ -44,6 +50,8 @@ from lightning_regions.compat import cache_counts, dynamo_counters  # noqa: E402
 
 WIDTH, HIDDEN, DEPTH, VOCAB, LENGTH = 512, 1024, 4, 64, 16
 STEPS = 4
+#: The gate's scenarios train 14 steps: at 0.1 these losses (about 500 at first) diverge.
+GATE_LR = 1e-3
 
 
 class WideBlock(nn.Module):
@@ -88,10 +96,11 @@ class WideNet(nn.Module):
 class WideStack(pl.LightningModule):
     """``WideNet`` trained on next-token prediction."""
 
-    def __init__(self, block: type[nn.Module] = WideBlock) -> None:
+    def __init__(self, block: type[nn.Module] = WideBlock, lr: float = 0.1) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = WideNet(block)
+        self.lr = lr
         self.losses: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -101,7 +110,7 @@ class WideStack(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 class UserShardedStack(WideStack):
@@ -164,6 +173,17 @@ def scenario(name: str, out: Path, devices: int) -> dict[str, Any]:
         model = WideStack()
         trainer = fit(out, devices, model, ddp(backend="aot_eager"))
         torch._dynamo.config.optimize_ddp = False  # our own run sets it; not the next one's
+    elif name == "gate_plain":  # plain DDP over the steps of the gate's scenario
+        model = WideStack(lr=GATE_LR)
+        trainer = fit(out, devices, model, DDPStrategy(process_group_backend="gloo"), PAYOFF_STEPS)
+    elif name == "gate_ddp":  # rank 0's compiled calls slowed, global rank 1 lenient
+        model = WideStack(lr=GATE_LR)
+        strategy = ddp(backend=SlowAotEager(only_rank=0))
+        trainer = fit(out, devices, model, strategy, PAYOFF_STEPS, callbacks=[LenientRankOne()])
+        decision = strategy.payoff.decision
+        seen["decision"] = None if decision is None else decision.chosen
+        seen["said"] = str(decision)
+        seen["blocks_compiled"] = [b._compiled_call_impl is not None for b in model.model.blocks]
     elif name == "graph_break_ddp":
         model = WideStack(BreakingBlock)
         trainer = fit(out, devices, model, ddp(backend="aot_eager"))

@@ -2,7 +2,8 @@
 each, node-local caches; ``tests/nodes_run.py``), with blocks of about 1M parameters that
 DDP's gradient buckets cut: DDP and FSDP2 train as plain Lightning does, the tie check
 passes, DDP's graph split is reported as what it is, one compile serves the whole job,
-a resume on cold nodes is warm on each, and the faults (artifacts refused on one node, a
+a resume on cold nodes is warm on each, every rank takes the one keep-or-revert
+decision, and the faults (artifacts refused on one node, a
 slow child, a dead child) leave the job training, warned once, nothing running. Two nodes
 of two processes (slow-marked): DDP as plain Lightning, and one compile for all four."""
 
@@ -18,6 +19,7 @@ from processes import run_nodes
 
 SCRIPT = Path(__file__).parent / "nodes_run.py"
 EAGER_SCENARIOS = ["plain_ddp", "regional_ddp", "split_ddp", "graph_break_ddp"]
+GATE_SCENARIOS = ["gate_plain", "gate_ddp"]
 FSDP_SCENARIOS = ["fsdp_plain", "fsdp_regional"]
 INDUCTOR_SCENARIOS = ["background", "resume", "fsdp_resume", "refused", "slow", "dead"]
 
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.ddp
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("nodes")
-    scenarios = EAGER_SCENARIOS + FSDP_SCENARIOS + INDUCTOR_SCENARIOS
+    scenarios = EAGER_SCENARIOS + GATE_SCENARIOS + FSDP_SCENARIOS + INDUCTOR_SCENARIOS
     run_nodes([sys.executable, str(SCRIPT), str(out), "1", *scenarios], timeout=1500)
     return out
 
@@ -62,6 +64,17 @@ def test_a_real_graph_break_inside_a_region_under_ddp_is_still_warned(nodes):
     for result in ranks(nodes, "graph_break_ddp"):
         assert result["breaks"] == [2]
         assert len(ours(result, "RegionGraphBreakWarning")) == 1
+
+
+def test_every_rank_across_nodes_takes_one_keep_or_revert_decision(nodes):
+    """Node 0's compiled calls slowed, node 1 lenient (it would keep compiled alone): the
+    decision agreed over the whole job reverts both, and training equals plain DDP's."""
+    plain = ranks(nodes, "gate_plain")
+    for rank, result in enumerate(ranks(nodes, "gate_ddp")):
+        assert result["decision"] == "eager", result["said"]
+        assert result["blocks_compiled"] == [False] * 4
+        assert result["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-5)
+        assert len(result["losses"]) == 14 and result["ties_intact"]
 
 
 def test_fsdp2_across_nodes_trains_as_plain_lightning(nodes):
