@@ -417,7 +417,10 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model names")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument(
-        "--steps", type=int, default=STEPS, help="14 or more: through the keep-or-revert gate"
+        "--steps",
+        type=int,
+        default=STEPS,
+        help="12 or more: through the keep-or-revert gate where its turns agree (28: always)",
     )
     parser.add_argument("--resume", action="store_true", help="keep the records in --out")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

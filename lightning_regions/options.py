@@ -128,7 +128,8 @@ class RegionalOptions:
         default=True,
         metadata=_doc(
             "time this run's own training steps with the regions compiled and eager in turns "
-            "(4 each, from the fourth compiled step; a step that recompiled not counted; "
+            "(4 each, from the fourth compiled step, up to 12 where the turns disagree; a "
+            "step that recompiled not counted; "
             "batches of varying size compared at one size; with several optimizers, a step "
             "of each), on one CUDA device also with CUDA graphs (shapes not varying), "
             "and keep the fastest, compiled only where that is at least 1% faster, agreed "

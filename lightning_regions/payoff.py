@@ -16,6 +16,16 @@ first step, the background mode's first step after its switch):
   ``CANDIDATE_SETTLE`` steps run it untimed (its compile, CUDA graphs' warm-up and
   recording), then ``2 * WINDOW`` steps compiled and the candidate in turn.
 
+Each phase times one window of ``2 * WINDOW`` steps, or more where its turns disagree:
+where a pair of turns (a step of each way, one after the other) says one way won by
+``EDGE`` and another pair says it did not (``Phase.agrees``), a load from elsewhere on
+the machine may have landed on some turns, and 4 steps a way decide on the load: another
+window is timed, up to ``MAX_WINDOWS``, and the medians take every window's steps
+(simulated, a load of 2-12 steps at 1-6x in 30% of runs: wrong decisions fell from
+1.0-11.5% to 0.3-3.7% at compiled 0.7-1.34x eager's, for 0.4-8.9 more steps on average).
+Agreed by every process (another window unless all saw the turns agree); on CUDA, each
+window's end reads its events (one ``synchronize``).
+
 Ways take turns step by step because this project's machine, like any shared one, runs at
 two speeds for tens of seconds at a time (plain eager steps of the tiny GPT at width 16:
 49-51 ms, then 68-75 ms, with nothing else running and no steal time): windows of one way
@@ -66,9 +76,12 @@ that would leave a way with no step (then all count).
 
 What it costs: ``WINDOW`` steps run eager where compiled may be faster, so a run of 1,000
 steps whose compiled step is ``r`` times faster than eager loses ``WINDOW * (r - 1) /
-1000`` of its time: at most 1% up to ``r = 3.5``. A candidate adds its own compile (with
-CUDA graphs, the same kernels: inductor's caches hold them) and ``CANDIDATE_SETTLE +
-2 * WINDOW`` steps, each at the compiled step's pace or better.
+1000`` of its time: at most 1% up to ``r = 3.5``, where the turns agree (a clear
+difference does, unless a load lands on them); each window more adds ``WINDOW`` eager
+steps, timed where the ways are close, so ``r`` is near 1 and they cost little. A
+candidate adds its own compile (with CUDA graphs, the same kernels: inductor's caches
+hold them) and ``CANDIDATE_SETTLE + 2 * WINDOW`` steps (a window or more), each at the
+compiled step's pace or better.
 """
 
 from __future__ import annotations
@@ -94,8 +107,10 @@ from .options import RegionalOptions
 SETTLE = 2
 #: Steps a candidate runs untimed: its compile and warm-up, CUDA graphs' recording.
 CANDIDATE_SETTLE = 3
-#: Steps timed each way.
+#: Steps timed each way in a window.
 WINDOW = 4
+#: Windows a phase may time where the turns of the last one disagreed (``Phase.agrees``).
+MAX_WINDOWS = 3
 #: A way must be at least this much faster than the one it replaces to replace it.
 EDGE = 0.01
 #: The candidate that runs the regions' training calls as CUDA graphs.
@@ -207,6 +222,11 @@ def at_one_size(
     return scaled, SizeScaling(min(known), max(known), reference, exponent)
 
 
+def timed_again(windows: int) -> str:
+    """What to say of a phase timed over ``windows`` windows."""
+    return f"{WINDOW * windows} steps a way: turns that disagreed were timed again"
+
+
 def not_counted(steps: int) -> str:
     """What to say of ``steps`` timed steps left out of the medians for compiling."""
     return f"{steps} timed step{'' if steps == 1 else 's'} that compiled not counted"
@@ -217,7 +237,8 @@ class PayoffDecision:
     """The medians this process measured, and what every process decided: ``chosen``
     is ``"compiled"``, ``"eager"`` or a candidate's name; ``scaling``: how the steps'
     times were scaled to one batch size, where the batches differed; ``uncounted``: timed
-    steps left out of the medians because dynamo compiled in them."""
+    steps left out of the medians because dynamo compiled in them; ``windows``: the
+    windows compiled and eager were timed over (more than one where turns disagreed)."""
 
     compiled_ms: float
     eager_ms: float
@@ -225,6 +246,7 @@ class PayoffDecision:
     candidates: tuple[Figure, ...] = ()
     scaling: SizeScaling | None = None
     uncounted: int = 0
+    windows: int = 1
 
     @property
     def kept(self) -> bool:
@@ -241,6 +263,7 @@ class PayoffDecision:
             what = f"regions kept compiled, with {self.chosen}"
         how = [str(self.scaling)] if self.scaling is not None else []
         how += [not_counted(self.uncounted)] if self.uncounted else []
+        how += [timed_again(self.windows)] if self.windows > 1 else []
         measured = f" ({'; '.join(how)})" if how else ""
         return (
             f"compiled {self.compiled_ms:.1f} ms{others} vs eager {self.eager_ms:.1f} ms a "
@@ -340,6 +363,8 @@ class Phase:
     counts: bool = True  # False where the challenger did not run as it claims
     notes: list[str] = field(default_factory=list)
     skipped: bool = False  # not run: its candidate needs static shapes, and they varied
+    windows: int = 1  # windows of 2 * WINDOW steps begun (more where turns disagreed)
+    finished: bool = False  # its last window timed
     scaling: SizeScaling | None = None  # set by ``medians``
     uncounted: int = 0  # timed steps that compiled, left out by ``medians``
 
@@ -349,7 +374,37 @@ class Phase:
 
     @property
     def done(self) -> bool:
-        return self.skipped or self.marks == 2 * WINDOW + 1
+        return self.skipped or self.finished
+
+    @property
+    def at_window_end(self) -> bool:
+        return self.marks == 2 * WINDOW * self.windows + 1
+
+    def agrees(self) -> bool:
+        """Whether every pair of turns in its last window (a challenger's step and the
+        incumbent's after it, at one batch size, neither compiling) falls on the same
+        side of the decision: the way that must win by ``EDGE`` (compiled against eager;
+        a candidate against compiled) won by it in all, or in none. A load from
+        elsewhere that lands on some turns makes them disagree; then another window is
+        timed (``MAX_WINDOWS`` at most) and the medians take every window's steps."""
+        assert self.clock is not None
+        timed = self.timed_steps()
+        ways = [i % 2 for i in range(len(timed.compiled))]
+        scaled, _ = at_one_size(self.clock.milliseconds(), timed.elements, ways)
+        first = 2 * WINDOW * (self.windows - 1)
+        wins = [
+            self._must_win(scaled[i], scaled[i + 1]) <= 1 - EDGE
+            for i in range(first, len(scaled) - 1, 2)
+            if not (timed.compiled[i] or timed.compiled[i + 1])
+        ]
+        return bool(wins) and len(set(wins)) == 1
+
+    def _must_win(self, challenger_ms: float, incumbent_ms: float) -> float:
+        """The ratio of the way that must win by ``EDGE`` to the other's: a candidate
+        (the challenger) against compiled; compiled (the incumbent) against eager."""
+        if self.candidate is not None:
+            return challenger_ms / incumbent_ms
+        return incumbent_ms / challenger_ms
 
     def next_way(self) -> str:
         """The way of the step that starts now (after the last mark)."""
@@ -444,7 +499,7 @@ class CompilePayoff:
         it ran (counted from the first compiled one), and that the regions stay compiled,
         unmeasured against eager."""
         steps = sum(phase.steps for phase in self.phases)
-        needed = SETTLE + 1 + 2 * WINDOW + len(self.candidates) * (CANDIDATE_SETTLE + 2 * WINDOW)
+        needed = sum(phase.settle + 2 * WINDOW * phase.windows for phase in self.phases)
         return (
             f"not decided: the run ended after {steps} of the {needed} steps the "
             "keep-or-revert gate times; the regions stay compiled, unmeasured against eager"
@@ -500,6 +555,13 @@ class CompilePayoff:
         if phase.clock is None:
             phase.clock = StepClock(device)
         phase.clock.mark()
+        if phase.at_window_end:
+            # every process times the same windows: another unless all saw the turns agree
+            agreed = processes.reduce_boolean_decision(phase.agrees(), all=True)
+            if agreed or phase.windows == MAX_WINDOWS:
+                phase.finished = True
+            else:
+                phase.windows += 1
         if not phase.done:
             way = phase.next_way()
             self._use(self.eager_turn if way == EAGER else way)
@@ -570,6 +632,8 @@ class CompilePayoff:
                 figures.append(Figure(phase.challenger, None, "; ".join(phase.notes), False))
             else:
                 against, ms = phase.medians(phase_timed)  # compiled again, in turns
+                if phase.windows > 1:
+                    phase.notes.append(timed_again(phase.windows))
                 figures.append(Figure(phase.challenger, ms, "; ".join(phase.notes), phase.counts))
                 scaled = ms * compiled_ms / against  # on the first phase's scale, beside eager's
                 faster = phase.counts and scaled <= (1 - EDGE) * best_ms
@@ -579,7 +643,13 @@ class CompilePayoff:
         kept = processes.reduce_boolean_decision(best_ms <= (1 - EDGE) * eager_ms, all=True)
         chosen = best_way if kept else EAGER
         return PayoffDecision(
-            compiled_ms, eager_ms, chosen, tuple(figures), first.scaling, first.uncounted
+            compiled_ms,
+            eager_ms,
+            chosen,
+            tuple(figures),
+            first.scaling,
+            first.uncounted,
+            first.windows,
         )
 
 
@@ -622,10 +692,10 @@ def agreed_over_processes(phases: list[TimedSteps], processes: Processes) -> lis
     world = getattr(processes, "world_size", 1)
     if world <= 1 or not torch.distributed.is_initialized():
         return phases
-    width = 2 * WINDOW
+    width = 2 * WINDOW * MAX_WINDOWS  # room for a phase's every window
     payload: list[int] = []
-    for timed in phases:  # each a phase's 2 * WINDOW steps, or none
-        known = len(timed.elements) == width and all(timed.elements)
+    for timed in phases:  # each a phase's timed steps (as many on every process), or none
+        known = bool(timed.elements) and all(timed.elements)
         sizes = [n or 0 for n in timed.elements]
         compiled = [int(flag) for flag in timed.compiled]
         payload += sizes + [0] * (width - len(sizes)) + [-1 if known else 0]
@@ -635,10 +705,12 @@ def agreed_over_processes(phases: list[TimedSteps], processes: Processes) -> lis
     values = tensor.tolist()
     agreed: list[TimedSteps] = []
     stride = 2 * width + 1
-    for index in range(len(phases)):
+    for index, timed in enumerate(phases):
         chunk = values[index * stride : (index + 1) * stride]
-        largest: list[int | None] = list(chunk[:width]) if chunk[width] == -1 else [None] * width
-        agreed.append(TimedSteps(largest, [bool(flag) for flag in chunk[width + 1 :]]))
+        steps = len(timed.elements)
+        largest: list[int | None] = list(chunk[:steps]) if chunk[width] == -1 else [None] * steps
+        flags = [bool(flag) for flag in chunk[width + 1 : width + 1 + steps]]
+        agreed.append(TimedSteps(largest, flags))
     return agreed
 
 

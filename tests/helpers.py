@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from examples.lightning_gpt import CharDataModule, GPTModule
-from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy
+from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy, payoff
 
 # --- one Trainer ------------------------------------------------------------------------
 
@@ -94,8 +94,9 @@ class SlowAotEager:
         return slower
 
 
-#: Steps of a run whose keep-or-revert decision is tested: it comes at step 12 (payoff.py).
-PAYOFF_STEPS = 14
+#: Steps of a run whose keep-or-revert decision is tested: it comes at step 12 where the
+#: turns agree, at step 28 at the latest (payoff.py: ``MAX_WINDOWS``).
+PAYOFF_STEPS = 1 + payoff.SETTLE + 2 * payoff.WINDOW * payoff.MAX_WINDOWS + 2
 
 
 class LenientRankOne(pl.Callback):

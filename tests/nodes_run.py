@@ -50,7 +50,7 @@ from lightning_regions.compat import cache_counts, dynamo_counters  # noqa: E402
 
 WIDTH, HIDDEN, DEPTH, VOCAB, LENGTH = 512, 1024, 4, 64, 16
 STEPS = 4
-#: The gate's scenarios train 14 steps: at 0.1 these losses (about 500 at first) diverge.
+#: The gate's scenarios train PAYOFF_STEPS: at 0.1 these losses (about 500 at first) diverge.
 GATE_LR = 1e-3
 
 

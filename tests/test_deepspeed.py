@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PAYOFF_STEPS
 from processes import launch_env
 
 pytest.importorskip("deepspeed", reason="the .[deepspeed] extra (make install has it)")
@@ -60,12 +61,12 @@ def test_each_zero_stage_trains_as_plain_deepspeed_with_no_deepspeed_code_in_a_r
 def test_every_rank_reverts_alike_under_zero_3_and_trains_as_plain_deepspeed(ranks):
     """The keep-or-revert gate at each step of ZeRO-3, rank 0's compiled calls slowed and
     rank 1 lenient (it would keep compiled alone): both revert, the blocks' class forward
-    back in place under DeepSpeed's hooks, and the 14 steps equal plain DeepSpeed's."""
+    back in place under DeepSpeed's hooks, and every step equals plain DeepSpeed's."""
     for rank in ranks:
         plain, ours = rank["gate-plain", 3], rank["gate", 3]
         assert ours["decision"] == "eager", ours["said"]
         assert ours["forwards_compiled"] == [False] * 4
-        assert len(ours["losses"]) == len(plain["losses"]) == 14
+        assert len(ours["losses"]) == len(plain["losses"]) == PAYOFF_STEPS
         assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
         for name, value in plain["params"].items():
             torch.testing.assert_close(ours["params"][name], value, rtol=1e-4, atol=1e-6, msg=name)

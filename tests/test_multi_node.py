@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import PAYOFF_STEPS
 from processes import run_nodes
 
 SCRIPT = Path(__file__).parent / "nodes_run.py"
@@ -74,7 +75,7 @@ def test_every_rank_across_nodes_takes_one_keep_or_revert_decision(nodes):
         assert result["decision"] == "eager", result["said"]
         assert result["blocks_compiled"] == [False] * 4
         assert result["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-5)
-        assert len(result["losses"]) == 14 and result["ties_intact"]
+        assert len(result["losses"]) == PAYOFF_STEPS and result["ties_intact"]
 
 
 def test_fsdp2_across_nodes_trains_as_plain_lightning(nodes):

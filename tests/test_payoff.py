@@ -20,10 +20,11 @@ from torch import nn
 
 from examples.lightning_gpt import GPTModule
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, payoff, region_report
-from lightning_regions.compile import WhileTraining
+from lightning_regions.compile import WhileTraining, compile_regions
 from lightning_regions.payoff import (
     CANDIDATE_SETTLE,
     CUDA_GRAPHS,
+    MAX_WINDOWS,
     SETTLE,
     WINDOW,
     Candidate,
@@ -35,11 +36,13 @@ from lightning_regions.payoff import (
     passes_through,
 )
 
-#: Optimizer steps until the decision: the first compiled, the settling ones, the turns.
+#: Optimizer steps until the decision: the first compiled, the settling ones, the turns
+#: (one window where they agree; ``MAX_WINDOWS`` at most).
 DECIDED_AFTER = 1 + SETTLE + 2 * WINDOW
-STEPS = DECIDED_AFTER + 2
+DECIDED_BY = 1 + SETTLE + 2 * WINDOW * MAX_WINDOWS
+STEPS = DECIDED_BY + 2
 #: The same, with one candidate timed after eager.
-WITH_A_CANDIDATE = DECIDED_AFTER + CANDIDATE_SETTLE + 2 * WINDOW
+WITH_A_CANDIDATE = DECIDED_BY + CANDIDATE_SETTLE + 2 * WINDOW * MAX_WINDOWS
 
 
 class WithCandidates(RegionalCompileStrategy):
@@ -171,6 +174,7 @@ def test_a_batch_size_search_in_the_fit_is_not_timed_for_the_training_after_it(
     assert decision is not None and not decision.kept and decision.scaling is None
     real_batch = 2 * 8 * SMALL["block_size"]  # inputs and targets, 8 x block_size each
     assert strategy.payoff.phases[0].clock.batch_elements() == [real_batch] * (2 * WINDOW)
+    assert strategy.payoff.phases[0].windows == 1  # 100x is never within the turns' noise
     assert len(model.losses) == 3 * 3 + STEPS
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
@@ -358,11 +362,116 @@ def test_a_step_that_compiled_is_marked_from_its_training_start():
     assert clock.compiled_steps() == [True, False, True, False]
 
 
-def phase_of(ms: list[float]) -> Phase:
-    """A phase whose ``2 * WINDOW`` timed steps took ``ms`` (the challenger's turn first)."""
-    phase = Phase("compiled", "eager", SETTLE + 1, clock=StepClock(torch.device("cpu")))
-    phase.clock.marks = list(itertools.accumulate([0.0, *(t / 1000 for t in ms)]))
+def phase_of(ms: list[float], candidate: Candidate | None = None) -> Phase:
+    """A phase whose timed steps took ``ms`` (the challenger's turn first): compiled
+    against eager, or ``candidate`` against compiled; none compiled, one window per
+    ``2 * WINDOW`` steps."""
+    challenger = "eager" if candidate is None else candidate.name
+    clock = StepClock(torch.device("cpu"))
+    phase = Phase("compiled", challenger, SETTLE + 1, candidate, clock=clock)
+    clock.marks = list(itertools.accumulate([0.0, *(t / 1000 for t in ms)]))
+    clock.compiles_at_marks = [0] * len(clock.marks)
+    phase.windows = len(ms) // (2 * WINDOW)
     return phase
+
+
+def test_turns_agree_where_every_pair_in_the_last_window_falls_on_one_side_of_the_edge():
+    """``Phase.agrees``: each pair of turns (the challenger's step, then the incumbent's)
+    says whether the way that must win by ``EDGE`` did (compiled against eager; a
+    candidate against compiled); the window's turns agree where every pair says the same.
+    A pair with a step that compiled is no pair; only the last window's pairs count."""
+    faster, slower = [10.0, 8.0] * WINDOW, [10.0, 12.0] * WINDOW  # eager's turn first
+    assert phase_of(faster).agrees() and phase_of(slower).agrees()
+    assert phase_of([10.0, 9.95] * WINDOW).agrees()  # 0.5% faster in all: never by the edge
+    one_off = [10.0, 8.0, 10.0, 8.0, 10.0, 12.0, 10.0, 8.0]
+    assert not phase_of(one_off).agrees()
+    recompiled = phase_of(one_off)
+    recompiled.clock.compiles_at_marks[6:] = [1, 1, 1]  # timed step 5 compiled
+    assert recompiled.agrees()
+    assert phase_of(one_off + faster).agrees() and not phase_of(faster + one_off).agrees()
+    candidate = Candidate("graphs", {})  # its turn first; it must win against compiled
+    assert phase_of([8.0, 10.0] * WINDOW, candidate).agrees()
+    assert not phase_of([8.0, 10.0, 12.0, 10.0] * (WINDOW // 2), candidate).agrees()
+
+
+class OneProcess:
+    """What the gate asks of a strategy, in a job of one process."""
+
+    root_device = torch.device("cpu")
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+
+def gate_on_scripted_steps(compiled_turns: list[float], processes=None) -> tuple:
+    """A real ``CompilePayoff`` over a model whose regions are compiled in place, each step
+    taking 10 ms eager and, compiled, 8 ms while settling, then ``compiled_turns`` in turn
+    (the clock is the script's, the model is not run): the decision and its step."""
+    model = PointwiseStack(width=8, depth=3)
+    compile_regions(model, inplace=True, backend="eager")
+    gate, now, turns = payoff.CompilePayoff(), [0.0], iter(compiled_turns)
+    clock_now = StepClock._now
+    StepClock._now = lambda self: now[0]
+    try:
+        for step in range(1, 100):
+            if all(block._compiled_call_impl is None for block in model.blocks):
+                now[0] += 0.010
+            else:
+                now[0] += (next(turns) if step > 1 + SETTLE else 8.0) / 1000
+            decision = gate.at_step_boundary([model], processes or OneProcess())
+            if decision is not None:
+                return decision, step, gate.phases[0]
+    finally:
+        StepClock._now = clock_now
+    raise AssertionError("no decision")
+
+
+def test_turns_that_disagree_are_timed_again_and_every_window_counts():
+    """One compiled turn of four slower than eager: another window is timed, the medians
+    take both, and the decision says so; turns that disagree in every window are decided
+    by all ``MAX_WINDOWS``' medians, and turns that agree by one window's."""
+    decision, step, phase = gate_on_scripted_steps([8.0, 8.0, 8.0, 8.0])
+    assert (step, phase.windows, decision.windows, decision.chosen) == (11, 1, 1, "compiled")
+    decision, step, phase = gate_on_scripted_steps([8.0, 12.0, 8.0, 8.0] + [8.0] * 4)
+    assert (step, phase.windows, decision.chosen) == (11 + 2 * WINDOW, 2, "compiled")
+    assert len(phase.clock.milliseconds()) == 4 * WINDOW
+    assert decision.compiled_ms == pytest.approx(8.0) and decision.eager_ms == pytest.approx(10)
+    assert f"({2 * WINDOW} steps a way: turns that disagreed were timed again)" in str(decision)
+    decision, step, phase = gate_on_scripted_steps([12.0, 12.0, 8.0, 12.0] * MAX_WINDOWS)
+    assert (step, phase.windows, decision.chosen) == (DECIDED_BY, MAX_WINDOWS, "eager")
+    assert decision.compiled_ms == pytest.approx(12.0)
+
+
+class GlooProcesses(OneProcess):
+    """A boolean decision that holds where it holds on every process (over gloo)."""
+
+    world_size = 2
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag)
+
+
+def scripted_gate_on_rank(rank: int, port: int, turns_by_rank: list, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        decision, step, phase = gate_on_scripted_steps(turns_by_rank[rank], GlooProcesses())
+        torch.save((step, phase.windows, decision.chosen), os.path.join(out, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_every_rank_times_another_window_where_any_rank_s_turns_disagree(tmp_path):
+    """Rank 0's turns agree, rank 1's do not: both time a second window (one all-reduce
+    at each window's end), so they decide at the same step, the same way."""
+    turns = [[8.0] * 8, [8.0, 12.0, 8.0, 8.0] + [8.0] * 4]
+    args = (free_port(), turns, str(tmp_path))
+    torch.multiprocessing.spawn(scripted_gate_on_rank, args=args, nprocs=2)
+    expected = (DECIDED_AFTER + 2 * WINDOW, 2, "compiled")
+    assert [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)] == [expected, expected]
 
 
 def test_steps_that_compiled_are_left_out_of_the_medians_unless_a_way_would_have_none():
@@ -403,24 +512,29 @@ def agreed_on_rank(rank: int, port: int, phases_by_rank: list, out: str) -> None
 def test_every_rank_scales_by_the_largest_batch_and_leaves_out_any_rank_s_compiles(tmp_path):
     """A synchronous DDP step takes about as long as its slowest rank's: every rank's
     gate sees, for each timed step, the most elements any rank had, and a compile where
-    any rank compiled (one all-reduce over gloo); a phase that one rank lacks a size for,
-    or did not run, is unscaled on all."""
+    any rank compiled (one all-reduce over gloo); a phase that one rank lacks a size for
+    is unscaled on all; one that did not run has no steps; one of several windows
+    (``MAX_WINDOWS``) keeps all its steps."""
     width = 2 * WINDOW
     no, at_1, at_6 = [False] * width, [i == 1 for i in range(width)], [i == 6 for i in range(width)]
+    longest = 2 * WINDOW * MAX_WINDOWS
     rank0 = [
         TimedSteps([10, 40] * WINDOW, at_1),
         TimedSteps([5] * width, no),
         TimedSteps([], []),
+        TimedSteps([3] * longest, [False] * (longest - 1) + [True]),
     ]
     rank1 = [
         TimedSteps([30, 20] * WINDOW, at_6),
         TimedSteps([5] * (width - 1) + [None], no),
         TimedSteps([], []),
+        TimedSteps([4] * longest, [False] * longest),
     ]
     args = (free_port(), [rank0, rank1], str(tmp_path))
     torch.multiprocessing.spawn(agreed_on_rank, args=args, nprocs=2)
     either = [i in (1, 6) for i in range(width)]
-    expected = [([30, 40] * WINDOW, either), ([None] * width, no), ([None] * width, no)]
+    last = [False] * (longest - 1) + [True]
+    expected = [([30, 40] * WINDOW, either), ([None] * width, no), ([], []), ([4] * longest, last)]
     assert [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)] == [expected, expected]
     assert agreed_over_processes(rank0, object()) == rank0  # one process: its own
 
@@ -444,7 +558,7 @@ def assert_no_timed_step_holds_the_validation(payoff) -> None:
     assert decision is not None, "no decision"
     clock = payoff.phases[0].clock
     steps = [round(ms, 1) for ms in clock.milliseconds()]
-    assert sorted(clock.starts) == list(range(2 * WINDOW)), steps
+    assert sorted(clock.starts) == list(range(len(steps))), steps
     assert max(steps) < 1000 * SLOW_VALIDATION_S, (decision, steps)
 
 
@@ -493,7 +607,8 @@ def test_a_fabric_validation_between_steps_is_not_in_the_timed_steps():
                 with torch.no_grad():
                     torch.testing.assert_close(copied(idx), model.module(idx))
     assert_no_timed_step_holds_the_validation(strategy.payoff)
-    assert strategy.payoff.phases[0].clock.batch_elements() == [idx.numel()] * (2 * WINDOW)
+    timed = 2 * WINDOW * strategy.payoff.phases[0].windows
+    assert strategy.payoff.phases[0].clock.batch_elements() == [idx.numel()] * timed
     assert not model.module._forward_pre_hooks
 
 
@@ -546,7 +661,7 @@ class RowsCostTime(BlockStack):
 
 
 def test_batches_of_varying_size_are_compared_at_one_size_and_cuda_graphs_not_tried(
-    tmp_path, caplog
+    tmp_path, caplog, monkeypatch
 ):
     """The Trainer passes each step's batch to the gate: compiled (3 calls each 1 ms a
     row slower: 2.5 times eager's step at every size) drew the smaller batches in its
@@ -562,6 +677,7 @@ def test_batches_of_varying_size_are_compared_at_one_size_and_cuda_graphs_not_tr
     cuda_graphs = Candidate(CUDA_GRAPHS, {"backend": "aot_eager"}, cuda_graphs=True)
     slow = SlowAotEager(seconds=SECONDS_A_ROW / 2, per_row=True)
     strategy = WithCandidates((cuda_graphs,), backend=slow)
+    monkeypatch.setattr(payoff, "MAX_WINDOWS", 1)  # ROWS hold one window's sizes
     model, plain = RowsCostTime(), RowsCostTime()
     with caplog.at_level("INFO"):
         trainer(tmp_path, strategy, DECIDED_AFTER + 2).fit(model, loader)
@@ -589,7 +705,7 @@ def test_cuda_graphs_that_inductor_skipped_do_not_count_and_a_faster_candidate_i
     cuda_graphs = Candidate(CUDA_GRAPHS, {"backend": "inductor", "mode": "reduce-overhead"}, True)
     fast = Candidate("inductor", {"backend": "inductor"})
     strategy = WithCandidates((cuda_graphs, fast), backend=SlowAotEager(backend="inductor"))
-    steps = WITH_A_CANDIDATE + CANDIDATE_SETTLE + 2 * WINDOW + 2
+    steps = WITH_A_CANDIDATE + CANDIDATE_SETTLE + 2 * WINDOW * MAX_WINDOWS + 2
     module = fit_on_one_thread(tmp_path, strategy, steps)
     decision = strategy.payoff.decision
     skipped, timed = decision.candidates
@@ -754,8 +870,8 @@ def test_timed_steps_that_recompiled_are_left_out_and_a_faster_compile_is_kept(t
     trainer(tmp_path, "auto", STEPS).fit(plain, batches)
     decision = strategy.payoff.decision
     clock = strategy.payoff.phases[0].clock
-    raw = clock.milliseconds()
-    assert clock.compiled_steps() == [i in (1, 3) for i in range(2 * WINDOW)], raw
+    raw = clock.milliseconds()[: 2 * WINDOW]  # the first window (the only one, unless loaded)
+    assert clock.compiled_steps()[: 2 * WINDOW] == [i in (1, 3) for i in range(2 * WINDOW)], raw
     assert statistics.median(raw[1::2]) > statistics.median(raw[0::2]), raw  # counted: eager
     assert decision is not None and decision.kept and decision.uncounted == 2, (decision, raw)
     assert "a step (2 timed steps that compiled not counted): regions kept compiled" in caplog.text
