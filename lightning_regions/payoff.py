@@ -21,8 +21,10 @@ where a pair of turns (a step of each way, one after the other) says one way won
 ``EDGE`` and another pair says it did not (``Phase.agrees``), a load from elsewhere on
 the machine may have landed on some turns, and 4 steps a way decide on the load: another
 window is timed, up to ``MAX_WINDOWS``, and the medians take every window's steps
-(simulated, a load of 2-12 steps at 1-6x in 30% of runs: wrong decisions fell from
-1.0-11.5% to 0.3-3.7% at compiled 0.7-1.34x eager's, for 0.4-8.9 more steps on average).
+(``benchmarks/gate_noise.py``, this code on scripted steps with 4% noise: at compiled
+0.7-1.34x eager's, wrong decisions fell from 0.9-13.1% to 0.2-4.2% where a load of 2-12
+steps at 1-6x came in 30% of runs, from 0-9.1% to 0-2.4% where none came, for 0-9.1 more
+steps on average, the most where the two are within 5%).
 Agreed by every process (another window unless all saw the turns agree); on CUDA, each
 window's end reads its events (one ``synchronize``).
 
