@@ -82,9 +82,10 @@ def test_the_gate_picks_cuda_graphs_on_the_launch_bound_tiny_gpt(tmp_path, caplo
     CUDA graphs replay in one (measured on an H200: 6.3 ms against 11.5 ms)."""
     from helpers import data, gpt, trainer
 
-    from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, SETTLE, WINDOW
+    from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, MAX_WINDOWS, SETTLE, WINDOW
 
-    steps = 1 + SETTLE + 2 * WINDOW + CANDIDATE_SETTLE + 2 * WINDOW + 4
+    timed = 2 * WINDOW * MAX_WINDOWS  # each phase's steps where its turns disagree
+    steps = 1 + SETTLE + timed + CANDIDATE_SETTLE + timed + 4
     size = {"n_layer": 4, "n_embd": 256, "n_head": 4}
     model, plain, check = gpt(**size), gpt(**size), TiedWeightsCheck()
     strategy = RegionalCompileStrategy()
