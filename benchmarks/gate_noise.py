@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.harness import save_results  # noqa: E402
+from benchmarks.steady_step import OneProcess  # noqa: E402
 from lightning_regions import compile_regions, payoff  # noqa: E402
 from lightning_regions.compile import COMPILED, use_region_calls  # noqa: E402
 
@@ -38,15 +38,6 @@ RATIOS = (0.7, 0.9, 0.95, 1.05, 1.1, 1.34)
 EAGER_MS, NOISE = 10.0, 0.04
 #: The share of runs a load lands in: none (an idle machine), and 30%.
 LOAD_SHARES = (0.0, 0.3)
-
-
-class OneProcess:
-    """What the gate asks of a strategy, in a job of one process."""
-
-    root_device = torch.device("cpu")
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
 
 
 def one_run(
@@ -68,7 +59,7 @@ def one_run(
         if load is not None and step - settled - 1 in load:
             ms *= 1 + rng.uniform(0, 5)
         now[0] += ms / 1000
-        decision = gate.at_step_boundary([model], OneProcess())
+        decision = gate.at_step_boundary([model], OneProcess("cpu"))
         if decision is not None:
             return decision.kept, step
     raise RuntimeError("no decision")
