@@ -73,8 +73,11 @@ def test_a_backend_slower_than_eager_is_reverted_and_training_goes_on_as_eager(t
     assert decision is not None and not decision.kept
     assert decision.compiled_ms > decision.eager_ms + 20  # 3 blocks x 30 ms a step
     said = f"compiled {decision.compiled_ms:.1f} ms vs eager {decision.eager_ms:.1f} ms a step"
-    assert f"{said}: regions reverted to eager" in caplog.text
-    assert f"on this run's steps: {said}: regions reverted to eager" in str(region_report(model))
+    # "... a step: regions ...", or "... a step (8 steps a way: ...): regions ..." where a
+    # load on the machine made the turns disagree and another window was timed
+    assert str(decision).startswith(said) and str(decision).endswith(": regions reverted to eager")
+    assert f"regional compile on this run's steps: {decision}" in caplog.text
+    assert f"on this run's steps: {decision}" in str(region_report(model))
     assert all(block._compiled_call_impl is None for block in blocks(model))
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
@@ -282,7 +285,10 @@ def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_
     timed = decision.candidates[0]
     assert timed.counts and timed.ms < decision.compiled_ms - 20  # 3 slowed blocks a step
     assert decision.chosen in ("aot_eager", "eager")  # eager and aot_eager are close here
-    assert f"compiled {decision.compiled_ms:.1f} ms, aot_eager {timed.ms:.1f} ms vs" in caplog.text
+    assert str(decision).startswith(
+        f"compiled {decision.compiled_ms:.1f} ms, aot_eager {timed.ms:.1f}"
+    )
+    assert f"regional compile on this run's steps: {decision}" in caplog.text
     if decision.chosen == "aot_eager":  # training calls the candidate, the rest the first
         assert all(isinstance(b._compiled_call_impl, WhileTraining) for b in blocks(model))
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
@@ -874,7 +880,9 @@ def test_timed_steps_that_recompiled_are_left_out_and_a_faster_compile_is_kept(t
     assert clock.compiled_steps()[: 2 * WINDOW] == [i in (1, 3) for i in range(2 * WINDOW)], raw
     assert statistics.median(raw[1::2]) > statistics.median(raw[0::2]), raw  # counted: eager
     assert decision is not None and decision.kept and decision.uncounted == 2, (decision, raw)
-    assert "a step (2 timed steps that compiled not counted): regions kept compiled" in caplog.text
+    assert "a step (2 timed steps that compiled not counted" in str(decision)  # (; a window more)
+    assert str(decision).endswith(": regions kept compiled")
+    assert f"regional compile on this run's steps: {decision}" in caplog.text
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
