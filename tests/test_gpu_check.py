@@ -40,3 +40,17 @@ def test_a_failed_part_is_an_error_line_and_the_others_still_judged():
     lines = verdicts(parts)
     assert lines[0] == "ERROR cold_starts: timed out after 200 s"
     assert lines[1].startswith("PASS a resume from checkpoint artifacts starts warm: first step")
+
+
+def test_the_real_models_steady_step_is_timed_after_the_gates_latest_decision():
+    """The strategy's gate decides by step 54 at the latest on a GPU (compiled against
+    eager, then CUDA graphs, each phase timing every window): the real models' steady
+    step starts after it, so no way's steady figure holds the gate's eager turns."""
+    from gpu_check import REAL_STEPS, STEADY_FROM
+
+    from lightning_regions.payoff import CANDIDATE_SETTLE, MAX_WINDOWS, SETTLE, WINDOW
+
+    compiled_vs_eager = 1 + SETTLE + 2 * WINDOW * MAX_WINDOWS
+    latest = compiled_vs_eager + CANDIDATE_SETTLE + 2 * WINDOW * MAX_WINDOWS
+    assert STEADY_FROM > latest
+    assert STEADY_FROM in REAL_STEPS and REAL_STEPS[-1] - STEADY_FROM >= 40

@@ -182,6 +182,40 @@ def test_a_batch_size_search_in_the_fit_is_not_timed_for_the_training_after_it(
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
+def test_a_decision_in_a_learning_rate_search_is_forgotten_with_its_steps(
+    tmp_path, caplog, monkeypatch
+):
+    """Lightning's ``LearningRateFinder`` trains its trial steps in the fit, long enough
+    here for the gate to decide (reverted: compiled must be 100x faster), then restores
+    the checkpoint it took before them: the decision goes with the steps it was made on.
+    The fit's own steps end before a new decision, so its ``validate`` runs the regions
+    compiled, not as the trial decided; training equals plain Lightning's."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    monkeypatch.setattr(payoff, "EDGE", 0.99)
+
+    def search() -> LearningRateFinder:
+        return LearningRateFinder(num_training_steps=DECIDED_AFTER + 1, early_stop_threshold=None)
+
+    model, plain, seen = gpt(), gpt(), SeesCompiledCalls()
+    strategy = RegionalCompileStrategy(backend=SlowAotEager())
+    ours = trainer(tmp_path, strategy, SETTLE + 1, [search(), seen], validate=True)
+    with caplog.at_level("INFO"):
+        ours.fit(model, data())
+    assert "regions reverted to eager" in caplog.text  # the trial's decision
+    assert "rolled back the steps timed so far" in caplog.text
+    assert strategy.payoff.decision is None  # the fit's own steps did not decide
+    seen.seen.clear()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        ours.validate(model, data(), verbose=False)
+    assert seen.seen and all(compiled for _, compiled in seen.seen), seen.seen
+    assert "as decided on an earlier fit" not in caplog.text
+    trainer(tmp_path, "auto", SETTLE + 1, [search()], validate=True).fit(plain, data())
+    assert len(model.losses) == DECIDED_AFTER + 1 + SETTLE + 1
+    assert model.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
 def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path, caplog):
     early = RegionalCompileStrategy(backend=SlowAotEager())
     model = gpt()
