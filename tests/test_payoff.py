@@ -106,6 +106,17 @@ class SeesCompiledCalls(pl.Callback):
         self._see("validation", module)
 
 
+def validate_runs_compiled_as_no_decision_says(ours, model, seen, caplog) -> None:
+    """``ours.validate(model)`` after a fit that ended undecided: every block's compiled
+    call in place at each validation batch, and no earlier decision followed."""
+    seen.seen.clear()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        ours.validate(model, data(), verbose=False)
+    assert seen.seen and all(compiled for _, compiled in seen.seen), seen.seen
+    assert "as decided on an earlier fit" not in caplog.text
+
+
 def test_validate_after_a_reverted_fit_runs_eager_and_a_later_fit_measures_again(
     tmp_path, caplog, monkeypatch
 ):
@@ -139,12 +150,7 @@ def test_validate_after_a_reverted_fit_runs_eager_and_a_later_fit_measures_again
     ours.fit_loop.epoch_loop.max_steps = 2 * STEPS + SETTLE
     ours.fit(model, data())
     assert strategy.payoff.decision is None
-    seen.seen.clear()
-    caplog.clear()
-    with caplog.at_level("INFO"):
-        ours.validate(model, data(), verbose=False)
-    assert seen.seen and all(compiled for _, compiled in seen.seen), seen.seen
-    assert "as decided on an earlier fit" not in caplog.text
+    validate_runs_compiled_as_no_decision_says(ours, model, seen, caplog)
     plain_trainer = trainer(tmp_path, "auto", STEPS, validate=True)
     for steps in (STEPS, 2 * STEPS, 2 * STEPS + SETTLE):
         plain_trainer.fit_loop.epoch_loop.max_steps = steps
@@ -205,12 +211,7 @@ def test_a_decision_in_a_learning_rate_search_is_forgotten_with_its_steps(
     assert "regions reverted to eager" in caplog.text  # the trial's decision
     assert "rolled back the steps timed so far" in caplog.text
     assert strategy.payoff.decision is None  # the fit's own steps did not decide
-    seen.seen.clear()
-    caplog.clear()
-    with caplog.at_level("INFO"):
-        ours.validate(model, data(), verbose=False)
-    assert seen.seen and all(compiled for _, compiled in seen.seen), seen.seen
-    assert "as decided on an earlier fit" not in caplog.text
+    validate_runs_compiled_as_no_decision_says(ours, model, seen, caplog)
     trainer(tmp_path, "auto", SETTLE + 1, [search()], validate=True).fit(plain, data())
     assert len(model.losses) == DECIDED_AFTER + 1 + SETTLE + 1
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
