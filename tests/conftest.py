@@ -29,6 +29,7 @@ LONGEST_FILES_FIRST = (
     "test_multi_node.py",
     "test_background_inductor.py",
     "test_nested.py",
+    "test_payoff.py",
     "test_fsdp.py",
     "test_diagnosis.py",
     "test_generation.py",
