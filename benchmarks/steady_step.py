@@ -65,7 +65,7 @@ def run_gate(model, step, device: str) -> str:
     payoff, processes = CompilePayoff(), OneProcess(device)
     while payoff.decision is None:
         step()
-        payoff.at_step_boundary(model, processes)
+        payoff.at_step_boundary([model], processes)
     return str(payoff.decision)
 
 

@@ -54,3 +54,39 @@ def test_the_real_models_steady_step_is_timed_after_the_gates_latest_decision():
     latest = compiled_vs_eager + CANDIDATE_SETTLE + 2 * WINDOW * MAX_WINDOWS
     assert STEADY_FROM > latest
     assert STEADY_FROM in REAL_STEPS and REAL_STEPS[-1] - STEADY_FROM >= 40
+
+
+def test_the_steady_steps_gate_runs_a_compiled_model_to_its_decision():
+    """``steady_step.run_gate`` (the steady-steps part of ``make gpu-check`` and of ``make
+    bench``) drives the strategy's gate over a model's own steps until it decides: a
+    compiled model's regions are left as decided (passing it the model where the gate takes
+    a list of modules once failed only on the machine that runs the check)."""
+    from steady_step import run_gate
+    from torch import nn
+
+    from lightning_regions import compile_regions
+
+    class Stack(nn.Module):  # a model, as the benchmarks' TinyGPT, not a container
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Stack()
+    compile_regions(model, inplace=True, backend="eager")
+    batch = torch.randn(4, 8)
+
+    def step() -> None:
+        model(batch).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    said = run_gate(model, step, "cpu")
+    assert said.endswith(("regions kept compiled", "regions reverted to eager")), said
+    kept = said.endswith("kept compiled")
+    compiled = [block._compiled_call_impl is not None for block in model.blocks]
+    assert compiled == [kept] * 3, said
