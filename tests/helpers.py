@@ -94,9 +94,16 @@ class SlowAotEager:
         return slower
 
 
-#: Steps of a run whose keep-or-revert decision is tested: it comes at step 12 where the
-#: turns agree, at step 28 at the latest (payoff.py: ``MAX_WINDOWS``).
-PAYOFF_STEPS = 1 + payoff.SETTLE + 2 * payoff.WINDOW * payoff.MAX_WINDOWS + 2
+#: The optimizer step whose end brings the keep-or-revert decision at the latest (every
+#: window timed; payoff.py: ``MAX_WINDOWS``), and the same with one candidate (CUDA
+#: graphs) timed after it.
+GATE_DECIDED_BY = 1 + payoff.SETTLE + 2 * payoff.WINDOW * payoff.MAX_WINDOWS
+GATE_DECIDED_BY_WITH_A_CANDIDATE = (
+    GATE_DECIDED_BY + payoff.CANDIDATE_SETTLE + 2 * payoff.WINDOW * payoff.MAX_WINDOWS
+)
+#: Steps of a run whose keep-or-revert decision is tested: it comes at step 11 where the
+#: turns agree, at ``GATE_DECIDED_BY`` at the latest.
+PAYOFF_STEPS = GATE_DECIDED_BY + 2
 
 
 class LenientRankOne(pl.Callback):

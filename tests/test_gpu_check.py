@@ -47,12 +47,9 @@ def test_the_real_models_steady_step_is_timed_after_the_gates_latest_decision():
     eager, then CUDA graphs, each phase timing every window): the real models' steady
     step starts after it, so no way's steady figure holds the gate's eager turns."""
     from gpu_check import REAL_STEPS, STEADY_FROM
+    from helpers import GATE_DECIDED_BY_WITH_A_CANDIDATE
 
-    from lightning_regions.payoff import CANDIDATE_SETTLE, MAX_WINDOWS, SETTLE, WINDOW
-
-    compiled_vs_eager = 1 + SETTLE + 2 * WINDOW * MAX_WINDOWS
-    latest = compiled_vs_eager + CANDIDATE_SETTLE + 2 * WINDOW * MAX_WINDOWS
-    assert STEADY_FROM > latest
+    assert STEADY_FROM > GATE_DECIDED_BY_WITH_A_CANDIDATE
     assert STEADY_FROM in REAL_STEPS and REAL_STEPS[-1] - STEADY_FROM >= 40
 
 

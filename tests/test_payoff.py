@@ -14,7 +14,16 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import SMALL, BlockStack, SlowAotEager, data, gpt, trainer
+from helpers import (
+    GATE_DECIDED_BY,
+    GATE_DECIDED_BY_WITH_A_CANDIDATE,
+    SMALL,
+    BlockStack,
+    SlowAotEager,
+    data,
+    gpt,
+    trainer,
+)
 from processes import free_port
 from torch import nn
 
@@ -39,10 +48,10 @@ from lightning_regions.payoff import (
 #: Optimizer steps until the decision: the first compiled, the settling ones, the turns
 #: (one window where they agree; ``MAX_WINDOWS`` at most).
 DECIDED_AFTER = 1 + SETTLE + 2 * WINDOW
-DECIDED_BY = 1 + SETTLE + 2 * WINDOW * MAX_WINDOWS
+DECIDED_BY = GATE_DECIDED_BY
 STEPS = DECIDED_BY + 2
 #: The same, with one candidate timed after eager.
-WITH_A_CANDIDATE = DECIDED_BY + CANDIDATE_SETTLE + 2 * WINDOW * MAX_WINDOWS
+WITH_A_CANDIDATE = GATE_DECIDED_BY_WITH_A_CANDIDATE
 
 
 class WithCandidates(RegionalCompileStrategy):
