@@ -32,7 +32,11 @@ workers and the background child included). Each run goes to at least step 100 (
 background ones to 10 steps after their switch). Rounds interleave the ways in a rotating
 order; figures are medians over rounds (``protocol.py``); other programs' load is named.
 
-    python benchmarks/background_compile.py [--rounds 3] [--steps 100]
+With ``--rerun``, each way first trains once, untimed, on the same
+``TORCHINDUCTOR_CACHE_DIR`` (a sweep's earlier trial, or yesterday's run), and the figures
+are those of its second run: what a rerun costs once torch's caches hold the compile.
+
+    python benchmarks/background_compile.py [--rounds 3] [--steps 100] [--rerun]
 
 Writes ``background_compile.{json,md}`` to ``--out``.
 """
@@ -400,6 +404,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=SIZE["n_layer"])
     parser.add_argument("--width", type=int, default=SIZE["n_embd"])
     parser.add_argument("--name", default="background_compile", help="results file name")
+    parser.add_argument(
+        "--rerun", action="store_true", help="time each way's second run on its cache"
+    )
     parser.add_argument("--child", choices=list(WAYS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     size = SIZE | {"n_layer": args.depth, "n_embd": args.width}
@@ -422,15 +429,23 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="background-bench-") as tmp:
             for way in order:
                 cache = os.path.join(tmp, f"cache-{way.replace(' ', '_')}")
+                if args.rerun:
+                    earlier = run_fresh(way, args.steps, args.device, cache, size)
+                    print(f"round {index + 1}: {way}, earlier run: {figures(earlier)}")
                 runs[way] = run_fresh(way, args.steps, args.device, cache, size)
                 print(f"round {index + 1}: {way}: {figures(runs[way])}", flush=True)
         rounds.append(runs)
     busy = load.cores()
     shape = f"depth {args.depth}, width {args.width}"
+    starts = (
+        "reruns: each way's second run in a fresh process, its first run's "
+        "TORCHINDUCTOR_CACHE_DIR kept"
+        if args.rerun
+        else "cold starts: each run in a fresh process with a fresh TORCHINDUCTOR_CACHE_DIR"
+    )
     markdown = (
         f"Tiny GPT ({shape}, tied head, batch {BATCH} x 128 tokens), classes in the training "
-        f"script, cold starts: inductor on {args.device}, each run in a fresh process with a "
-        f"fresh TORCHINDUCTOR_CACHE_DIR, Lightning's sanity check, validation every "
+        f"script, inductor on {args.device}, {starts}, Lightning's sanity check, validation every "
         f"{VALIDATE_EVERY} steps, at least {args.steps} steps; medians of {args.rounds} "
         f"interleaved round(s), started {started}; other programs used "
         f"{busy if busy is None else round(busy, 2)} cores on average. Time to step N: "

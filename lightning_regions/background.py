@@ -62,7 +62,13 @@ from .background_child import (
     write_whole,
 )
 from .cache import sign_artifacts, unpack_artifacts
-from .compat import cache_counts, inductor_cache_dir
+from .compat import (
+    IntraOpThreads,
+    cache_counts,
+    inductor_cache_dir,
+    limit_intra_op_threads,
+    restore_intra_op_threads,
+)
 from .recipe import CompileRecipe
 from .regions import RegionPlan
 from .shipment import (
@@ -264,7 +270,7 @@ class BackgroundCompile:
         self.created = time.perf_counter()
         #: torch's cache counters when the regions compiled in place (``compat.cache_counts``).
         self.counts_at_switch: dict[str, int] = {}
-        self._threads_lent: int | None = None  # intra-op threads before a child started
+        self._threads_lent: IntraOpThreads | None = None  # threads before a child started
         self._order = itertools.count()
         self._hooks = [
             region.module.register_forward_pre_hook(self._recorder(index), with_kwargs=True)
@@ -408,7 +414,8 @@ class BackgroundCompile:
     def _all_threads(self) -> int:
         """This process's intra-op threads when no child compiles: the count its compiled
         kernels are made for, and that inductor's cache key holds."""
-        return torch.get_num_threads() if self._threads_lent is None else self._threads_lent
+        lent = self._threads_lent
+        return torch.get_num_threads() if lent is None else lent.count
 
     def _share_cores(self) -> None:
         """While the job's child compiles, this process runs its eager steps on half its
@@ -418,10 +425,11 @@ class BackgroundCompile:
         of the job does so until the switch: the steps go in lockstep at the pace of
         rank 0, whose eager steps share its cores with the child, and a rank beside the
         child on one node would take its cores too (``multi_node.md``). The child's
-        parallel work runs on the other half (``lent_threads``)."""
+        parallel work runs on the other half (``lent_threads``). Not through
+        ``torch.set_num_threads``, which would leave MKL's dynamic thread adjustment off
+        and the steps after the switch slower (``compat.limit_intra_op_threads``)."""
         if self._threads_lent is None:
-            self._threads_lent = torch.get_num_threads()
-            torch.set_num_threads(kept_threads(self._threads_lent))
+            self._threads_lent = limit_intra_op_threads(kept_threads(torch.get_num_threads()))
 
     def _end_child(self) -> None:
         """Stop the child, if any, and give this process its threads back."""
@@ -429,7 +437,7 @@ class BackgroundCompile:
             self.child.stop()
             self.child = None
         if self._threads_lent is not None:
-            torch.set_num_threads(self._threads_lent)
+            restore_intra_op_threads(self._threads_lent)
             self._threads_lent = None
 
     def _outcome(self, processes: Processes) -> Outcome:
