@@ -10,8 +10,12 @@ ones (the library's own are in ``lightning_regions.compat``).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,3 +103,35 @@ def restore(before: dict[str, Any]) -> None:
             for config in ("dynamo", "inductor")
         }
     )
+
+
+def mkl_dynamic_adjustment() -> bool | None:
+    """Whether MKL may use fewer threads than its maximum (its dynamic adjustment, on by
+    default; ``torch.set_num_threads`` turns it off), None without MKL. MKL has no getter
+    that torch exports: read from the ``Dyn:`` field of its verbose line for one matmul,
+    which it prints to file descriptor 1."""
+    if not torch.backends.mkl.is_available():
+        return None
+    square = torch.ones(64, 64)
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as printed:
+        saved = os.dup(1)
+        os.dup2(printed.fileno(), 1)
+        try:
+            with torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):
+                square @ square
+            libc.fflush(None)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        printed.seek(0)
+        found = re.search(rb"Dyn:(\d)", printed.read())
+    return None if found is None else found.group(1) == b"1"
+
+
+def set_mkl_dynamic_adjustment(on: bool) -> None:
+    """Turn MKL's dynamic adjustment on or off (``mkl_set_dynamic``, which torch links
+    into libtorch_cpu)."""
+    library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    library.MKL_Set_Dynamic(ctypes.c_int(int(on)))

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import WaitForTheSwitch, data, gpt, is_running, seeded_stack, trainer, vectors
+from process_state import mkl_dynamic_adjustment, set_mkl_dynamic_adjustment
 from torch import nn
 
 from lightning_regions import (
@@ -34,8 +35,11 @@ STEPS = 1000
 def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStrategy:
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True, **options)
     wait = WaitForTheSwitch(after=3)
-    threads = torch.get_num_threads()
+    threads, mkl_dynamic = torch.get_num_threads(), mkl_dynamic_adjustment()
     trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours_model, data())
+    # lent and given back without torch.set_num_threads, which turns MKL's dynamic
+    # adjustment off (compat.limit_intra_op_threads)
+    assert mkl_dynamic_adjustment() == mkl_dynamic
     trainer(tmp_path, "auto", len(ours_model.losses)).fit(plain_model, data())
     assert ours_model.losses == pytest.approx(plain_model.losses, rel=1e-5)
     assert wait.pids and not any(map(is_running, wait.pids))  # no child outlives the Trainer
@@ -66,6 +70,20 @@ def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
     report = region_report(ours)
     assert not report.ran_eager and all(row.compiled_calls for row in report.rows)
     assert ours.model.blocks[0]._compiled_call_impl is not None
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
+def test_the_training_process_keeps_mkls_dynamic_thread_adjustment(tmp_path):
+    """A process that never called ``torch.set_num_threads`` has MKL's dynamic adjustment
+    on; lending the child a core and taking it back leaves it on (through
+    ``torch.set_num_threads``, the steps after the switch ran 12-35% slower)."""
+    was = mkl_dynamic_adjustment()
+    set_mkl_dynamic_adjustment(True)
+    try:
+        strategy = fit_both(tmp_path, *twins())
+        assert strategy.background.switched and mkl_dynamic_adjustment() is True
+    finally:
+        set_mkl_dynamic_adjustment(bool(was))
 
 
 def test_the_child_compiles_for_the_training_processs_own_thread_count(tmp_path):
