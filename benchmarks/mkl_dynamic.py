@@ -1,20 +1,22 @@
-"""What lending threads and giving them back leaves behind: ``torch.set_num_threads``
-against ``compat.limit_intra_op_threads``, on the tiny GPT's eager training step.
+"""What ``torch.set_num_threads`` leaves behind: MKL's dynamic thread adjustment off,
+against on (MKL's default, kept by a process that never called it), on the tiny GPT's
+eager training step.
 
 The background mode lends its child a core by running training on fewer intra-op threads
 until the switch, then gives them back. ``torch.set_num_threads`` also turns MKL's
-dynamic thread adjustment off for the rest of the process (pytorch#13868), where a
-process that never called it keeps MKL's default (on); ``limit_intra_op_threads`` sets
-OpenMP's and MKL's counts for the calling thread alone. Each run, in a fresh process:
-``--steps`` eager steps (forward, backward, AdamW) of the tiny GPT (``examples/
-tiny_gpt.py``, depth 16, width 16, batch 8 x 128 tokens: the background benchmark's
-``--width 16`` model), timed; then the way's lend and give-back (the thread count halved
-and put back; ``untouched``: nothing); then ``--steps`` more, timed. The figure is the
-median step after over the median step before, in one process (this VM's speed drifts
-between runs, less within one); rounds interleave the ways in a rotating order, and the
-table gives the medians over rounds.
+dynamic thread adjustment off for the rest of the process (``mkl_set_dynamic(false)``,
+pytorch#13868); ``compat.limit_intra_op_threads`` sets OpenMP's and MKL's counts for the
+calling thread alone and leaves it as it was (``tests/test_background.py`` checks which
+does what). This measures what the flag costs, in one process, so that this VM's drift
+in speed (tens of seconds at a time) lands on both alike: turns of ``--turn`` eager steps
+(forward, backward, AdamW) of the tiny GPT (``examples/tiny_gpt.py``, depth 16, width
+16, batch 8 x 128 tokens: the background benchmark's ``--width 16`` model), the flag on
+and off in turn (``MKL_Set_Dynamic``, which torch links into libtorch_cpu), ``--turns``
+turns each; and the same for one attention call's forward and backward at the model's
+shapes (``scaled_dot_product_attention``, 8 x 4 heads x 128 x 4). Figures: the median
+step each way, and the median over adjacent pairs of turns of off / on.
 
-    python benchmarks/mkl_dynamic.py [--rounds 5] [--steps 100]
+    python benchmarks/mkl_dynamic.py [--turns 30] [--turn 10]
 
 Writes ``mkl_dynamic.{json,md}`` to ``--out``.
 """
@@ -22,11 +24,11 @@ Writes ``mkl_dynamic.{json,md}`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
+import ctypes
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,86 +36,97 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import save_results  # noqa: E402
 
-WAYS = ("untouched", "torch.set_num_threads", "limit_intra_op_threads")
+
+def in_turns(work: Callable[[], None], turns: int, turn: int) -> dict[str, list[float]]:
+    """Milliseconds of each call of ``work``, MKL's dynamic adjustment on and off in
+    turns of ``turn`` calls (each turn's first call not counted)."""
+    import torch
+
+    library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(turns):
+        for way in ("on", "off"):
+            library.MKL_Set_Dynamic(ctypes.c_int(way == "on"))
+            for call in range(turn + 1):
+                start = time.perf_counter()
+                work()
+                if call:
+                    times[way].append((time.perf_counter() - start) * 1000)
+    library.MKL_Set_Dynamic(ctypes.c_int(1))
+    return times
 
 
-def run(way: str, steps: int) -> dict[str, float]:
-    """One process: the median step before and after ``way``'s lend and give-back."""
+def summary(times: dict[str, list[float]], turn: int) -> dict[str, float]:
+    pairs = [
+        statistics.median(times["off"][i : i + turn]) / statistics.median(times["on"][i : i + turn])
+        for i in range(0, len(times["on"]), turn)
+    ]
+    return {
+        "on_ms": statistics.median(times["on"]),
+        "off_ms": statistics.median(times["off"]),
+        "off_over_on": statistics.median(pairs),
+        "pairs_slower": sum(ratio > 1 for ratio in pairs) / len(pairs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--turn", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+
     import torch
 
     from examples.tiny_gpt import GPTConfig, TinyGPT
-    from lightning_regions import compat
 
+    if not torch.backends.mkl.is_available():
+        raise SystemExit("this torch has no MKL: nothing to measure")
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(65, block_size=128, n_layer=16, n_head=4, n_embd=16))
     optimizer = torch.optim.AdamW(model.parameters())
     tokens = torch.randint(0, 65, (8, 128))
 
-    def median_step() -> float:
-        seconds = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            logits = model(tokens)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds) * 1000
+    def step() -> None:
+        loss = model.loss(tokens, tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
-    median_step()  # warm-up: the allocator, the first calls
-    before = median_step()
-    threads = torch.get_num_threads()
-    if way == "torch.set_num_threads":
-        torch.set_num_threads(max(1, threads // 2))
-        median_step()
-        torch.set_num_threads(threads)
-    elif way == "limit_intra_op_threads":
-        lent = compat.limit_intra_op_threads(max(1, threads // 2))
-        median_step()
-        compat.restore_intra_op_threads(lent)
-    after = median_step()
-    return {"before_ms": before, "after_ms": after, "ratio": after / before}
+    q, k, v = (torch.randn(8, 4, 128, 4, requires_grad=True) for _ in range(3))
 
+    def attention() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(run(args.child, args.steps)))
-        return
-    rounds: list[dict[str, dict[str, float]]] = []
-    for index in range(args.rounds):
-        order = WAYS[index % len(WAYS) :] + WAYS[: index % len(WAYS)]
-        figures = {}
-        for way in order:
-            command = [sys.executable, __file__, "--child", way, "--steps", str(args.steps)]
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
-            figures[way] = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"round {index + 1}: {way}: {figures[way]}", flush=True)
-        rounds.append(figures)
+    results = {
+        "tiny GPT eager step": summary(in_turns(step, args.turns, args.turn), args.turn),
+        "attention forward and backward": summary(
+            in_turns(attention, args.turns, 10 * args.turn), 10 * args.turn
+        ),
+    }
     lines = [
-        "| way | median step before ms | after ms | after / before (each round) | median |",
+        "| work | MKL dynamic on ms | off ms | off / on (median of paired turns) | "
+        "pairs where off was slower |",
         "|---|---|---|---|---|",
     ]
-    for way in WAYS:
-        ratios = [r[way]["ratio"] for r in rounds]
-        before = statistics.median(r[way]["before_ms"] for r in rounds)
-        after = statistics.median(r[way]["after_ms"] for r in rounds)
-        each = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+    for work, figures in results.items():
         lines.append(
-            f"| {way} | {before:.1f} | {after:.1f} | {each} | {statistics.median(ratios):.2f}x |"
+            f"| {work} | {figures['on_ms']:.2f} | {figures['off_ms']:.2f} | "
+            f"{figures['off_over_on']:.2f}x | {figures['pairs_slower']:.0%} |"
         )
     markdown = (
-        f"The tiny GPT's eager step (depth 16, width 16, batch 8 x 128), {args.steps} steps "
-        f"before and after lending half the intra-op threads and giving them back, each run "
-        f"in a fresh process; {args.rounds} interleaved rounds.\n\n" + "\n".join(lines)
+        f"MKL's dynamic thread adjustment on (a process that never called "
+        f"`torch.set_num_threads`) and off (one that did), in turns in one process, "
+        f"{torch.get_num_threads()} intra-op threads, {args.turns} turns each way "
+        f"({args.turn} GPT steps, {10 * args.turn} attention calls a turn).\n\n" + "\n".join(lines)
     )
-    save_results(args.out, "mkl_dynamic", "cpu", markdown, {"rounds": rounds})
+    save_results(
+        args.out,
+        "mkl_dynamic",
+        "cpu",
+        markdown,
+        {"results": results, **vars(args)} | {"out": str(args.out)},
+    )
     print(markdown)
 
 
