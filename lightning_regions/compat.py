@@ -643,8 +643,8 @@ def limit_intra_op_threads(count: int) -> IntraOpThreads:
     ``torch.set_num_threads`` would do it, but it also turns MKL's dynamic thread
     adjustment off for the rest of the process (``mkl_set_dynamic(false)``, pytorch#13868),
     and a process that never called it keeps MKL's default (on): on this project's
-    2-core VM, a process that had called it once ran the tiny GPT's steps 12-35% slower
-    for the rest of its run (``benchmarks/results/mkl_dynamic.md``). So the count is set
+    2-core VM, the tiny GPT's eager step took 1.14x as long with it off, one attention
+    call's forward and backward 1.26x (``benchmarks/results/mkl_dynamic.md``). So the count is set
     where ATen and MKL read it for this thread (OpenMP's ``omp_set_num_threads``, MKL's
     ``mkl_set_num_threads_local``), and only where those are not found (another OpenMP
     runtime, another parallel backend) through ``torch.set_num_threads``."""

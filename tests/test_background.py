@@ -76,7 +76,8 @@ def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
 def test_the_training_process_keeps_mkls_dynamic_thread_adjustment(tmp_path):
     """A process that never called ``torch.set_num_threads`` has MKL's dynamic adjustment
     on; lending the child a core and taking it back leaves it on (through
-    ``torch.set_num_threads``, the steps after the switch ran 12-35% slower)."""
+    ``torch.set_num_threads``, the steps after the switch ran slower for the rest of the
+    run: ``benchmarks/results/mkl_dynamic.md``)."""
     was = mkl_dynamic_adjustment()
     set_mkl_dynamic_adjustment(True)
     try:

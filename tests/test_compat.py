@@ -151,8 +151,9 @@ def test_the_fabric_wrapper_is_unwrapped():
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
 def test_limiting_intra_op_threads_leaves_mkls_dynamic_adjustment_as_it_was():
     """``torch.set_num_threads`` turns MKL's dynamic thread adjustment off for the rest of
-    the process (a process that never called it keeps it on, and ran the tiny GPT's steps
-    12-35% faster here); ``limit_intra_op_threads`` changes the count alone."""
+    the process (a process that never called it keeps it on: the tiny GPT's eager step
+    1.14x faster here, ``benchmarks/mkl_dynamic.py``); ``limit_intra_op_threads`` changes
+    the count alone."""
     from process_state import mkl_dynamic_adjustment, set_mkl_dynamic_adjustment
 
     was, threads = mkl_dynamic_adjustment(), torch.get_num_threads()
