@@ -693,9 +693,8 @@ def test_a_fabric_module_that_is_one_region_gets_no_timing_hook():
 #: Rows of each step's batch: 3 settling (of three sizes, so the regions are dynamic before
 #: the turns), then eager's turns 24 and 72 rows, compiled's 4 and 12, then 2 more.
 ROWS = [8, 4, 24, 24, 4, 72, 12, 24, 4, 72, 12, 8, 8]
-#: Each training step's own work, eager or compiled: this long a row (at 2 ms, a step
-#: stalled by the suite's other worker moved the decision once in a `make test`, 2026-12-06).
-SECONDS_A_ROW = 0.004
+#: Each training step's own work, eager or compiled: this long a row.
+SECONDS_A_ROW = 0.002
 
 
 class RowsCostTime(BlockStack):
