@@ -40,9 +40,11 @@ from benchmarks.harness import save_results  # noqa: E402
 def in_turns(work: Callable[[], None], turns: int, turn: int) -> dict[str, list[float]]:
     """Milliseconds of each call of ``work``, MKL's dynamic adjustment on and off in
     turns of ``turn`` calls (each turn's first call not counted)."""
-    import torch
 
-    library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    from lightning_regions.compat import torch_cpu_library
+
+    library = torch_cpu_library()
+    assert library is not None  # main() checked for MKL
     times: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(turns):
         for way in ("on", "off"):

@@ -622,15 +622,24 @@ def _openmp_set_num_threads() -> Any:
 
 
 @functools.cache
+def torch_cpu_library() -> ctypes.CDLL | None:
+    """torch's libtorch_cpu, where torch's Linux wheels link MKL (its ``MKL_*`` setters
+    are exported there); None where it is not found."""
+    try:
+        return ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:
+        return None
+
+
+@functools.cache
 def _mkl_set_num_threads_local() -> Any:
     """MKL's ``mkl_set_num_threads_local`` (a count for the calling thread alone, which
     leaves MKL's dynamic adjustment as it is), where torch links MKL into libtorch_cpu."""
     if not torch.backends.mkl.is_available():
         return None
-    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    try:
-        function = ctypes.CDLL(str(library)).MKL_Set_Num_Threads_Local
-    except (AttributeError, OSError):
+    library = torch_cpu_library()
+    function = getattr(library, "MKL_Set_Num_Threads_Local", None)
+    if function is None:
         return None
     function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
     return function

@@ -15,7 +15,6 @@ import os
 import re
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,5 +132,4 @@ def mkl_dynamic_adjustment() -> bool | None:
 def set_mkl_dynamic_adjustment(on: bool) -> None:
     """Turn MKL's dynamic adjustment on or off (``mkl_set_dynamic``, which torch links
     into libtorch_cpu)."""
-    library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-    library.MKL_Set_Dynamic(ctypes.c_int(int(on)))
+    compat.torch_cpu_library().MKL_Set_Dynamic(ctypes.c_int(int(on)))  # type: ignore[union-attr]
