@@ -129,7 +129,7 @@ class RegionalOptions:
         metadata=_doc(
             "time this run's own training steps with the regions compiled and eager in turns "
             "(4 each, from the fourth compiled step, up to 12 where the turns disagree; a "
-            "step that recompiled not counted; "
+            "step that recompiled or ran a full garbage collection not counted; "
             "batches of varying size compared at one size; with several optimizers, a step "
             "of each), on one CUDA device also with CUDA graphs (shapes not varying), "
             "and keep the fastest, compiled only where that is at least 1% faster, agreed "

@@ -73,8 +73,12 @@ varied in the turns against eager.
 A timed step in which dynamo compiled (a recompile for a new shape, an epoch's smaller
 last batch; ``StepClock.compiled_steps``, from its training's start to its end, agreed
 over the processes: the others waited for it) holds seconds of compiling in a step of
-milliseconds: it is left out of the medians, and the log line says how many were, unless
-that would leave a way with no step (then all count).
+milliseconds; one in which Python collected its oldest generation (``full_collections``:
+automatic or a ``gc.collect()``; ``StepClock.collected_steps``) holds a pause that grows
+with every object the process holds, not with the way (in this project's test processes,
+after many compiles, 238-505 ms against steps of 2-150 ms). Either is left out of the
+medians, and the log line says how many were, unless that would leave a way with no step
+(then all count).
 
 What it costs: ``WINDOW`` steps run eager where compiled may be faster, so a run of 1,000
 steps whose compiled step is ``r`` times faster than eager loses ``WINDOW * (r - 1) /
@@ -89,6 +93,7 @@ compiled step's pace or better.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import math
 import statistics
@@ -229,9 +234,24 @@ def timed_again(windows: int) -> str:
     return f"{WINDOW * windows} steps a way: turns that disagreed were timed again"
 
 
-def not_counted(steps: int) -> str:
-    """What to say of ``steps`` timed steps left out of the medians for compiling."""
-    return f"{steps} timed step{'' if steps == 1 else 's'} that compiled not counted"
+def not_counted(compiled: int, collected: int = 0) -> str:
+    """What to say of timed steps left out of the medians: ``compiled`` for compiling,
+    ``collected`` (of the others) for a full garbage collection."""
+    parts = [f"{compiled} timed {_steps(compiled)} that compiled"] if compiled else []
+    if collected:
+        timed = "" if compiled else "timed "
+        parts.append(f"{collected} {timed}{_steps(collected)} with a full garbage collection")
+    return " and ".join(parts) + " not counted"
+
+
+def _steps(count: int) -> str:
+    return "step" if count == 1 else "steps"
+
+
+def full_collections() -> int:
+    """Python's collections of its oldest generation in this process so far (automatic or
+    ``gc.collect()``): each a pause that grows with every object the process holds."""
+    return int(gc.get_stats()[-1]["collections"])
 
 
 @dataclass(frozen=True)
@@ -239,7 +259,8 @@ class PayoffDecision:
     """The medians this process measured, and what every process decided: ``chosen``
     is ``"compiled"``, ``"eager"`` or a candidate's name; ``scaling``: how the steps'
     times were scaled to one batch size, where the batches differed; ``uncounted``: timed
-    steps left out of the medians because dynamo compiled in them; ``windows``: the
+    steps left out of the medians because dynamo compiled in them, ``collected``: because
+    Python ran a full garbage collection in them (and none compiled); ``windows``: the
     windows compiled and eager were timed over (more than one where turns disagreed)."""
 
     compiled_ms: float
@@ -249,6 +270,7 @@ class PayoffDecision:
     scaling: SizeScaling | None = None
     uncounted: int = 0
     windows: int = 1
+    collected: int = 0
 
     @property
     def kept(self) -> bool:
@@ -264,7 +286,8 @@ class PayoffDecision:
         else:
             what = f"regions kept compiled, with {self.chosen}"
         how = [str(self.scaling)] if self.scaling is not None else []
-        how += [not_counted(self.uncounted)] if self.uncounted else []
+        left_out = self.uncounted or self.collected
+        how += [not_counted(self.uncounted, self.collected)] if left_out else []
         how += [timed_again(self.windows)] if self.windows > 1 else []
         measured = f" ({'; '.join(how)})" if how else ""
         return (
@@ -276,15 +299,24 @@ class PayoffDecision:
 class StepClock:
     """Marks at step boundaries, where a step's training began after its boundary (the
     wall clock, or CUDA events on a CUDA device), the batches it trained on, and whether
-    dynamo compiled anything while it trained (``compiles``: a count that grows)."""
+    dynamo compiled anything while it trained (``compiles``: a count that grows) or Python
+    collected its oldest generation (``collections``: a count that grows)."""
 
-    def __init__(self, device: torch.device, compiles: Callable[[], int] = frames_compiled) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        compiles: Callable[[], int] = frames_compiled,
+        collections: Callable[[], int] = full_collections,
+    ) -> None:
         self.cuda = device.type == "cuda"
         self.compiles = compiles
+        self.collections = collections
         self.marks: list[Any] = []
         self.compiles_at_marks: list[int] = []
+        self.collections_at_marks: list[int] = []
         self.starts: dict[int, Any] = {}  # the step after mark i began training here
         self.compiles_at_starts: dict[int, int] = {}  # ... with this many compiles so far
+        self.collections_at_starts: dict[int, int] = {}  # ... and full collections
         self.elements: dict[int, int] = {}  # ... on batches of this many elements in all
         self.shapes: set[tuple[tuple[int, ...], ...]] = set()  # every batch's shapes
 
@@ -299,6 +331,7 @@ class StepClock:
         """A step boundary: one step ends, the next begins (until ``training_starts``)."""
         self.marks.append(self._now())
         self.compiles_at_marks.append(self.compiles())
+        self.collections_at_marks.append(self.collections())
 
     def training_starts(self, batch: Any = None) -> None:
         """The step after the last boundary begins its training (on ``batch``, where
@@ -313,6 +346,7 @@ class StepClock:
                 self.shapes.add(shapes)
             if step not in self.starts:
                 self.compiles_at_starts[step] = self.compiles()
+                self.collections_at_starts[step] = self.collections()
                 self.starts[step] = self._now()
 
     def batch_elements(self) -> list[int | None]:
@@ -323,11 +357,13 @@ class StepClock:
         """Whether dynamo compiled anything in each step, from its training's start (or
         its boundary) to the next boundary: a first compile or a recompile (a new shape),
         seconds where the step's own work is milliseconds."""
-        at_marks = self.compiles_at_marks
-        return [
-            at_marks[i + 1] > self.compiles_at_starts.get(i, at_marks[i])
-            for i in range(len(at_marks) - 1)
-        ]
+        return _grew_in_steps(self.compiles_at_marks, self.compiles_at_starts)
+
+    def collected_steps(self) -> list[bool]:
+        """Whether Python collected its oldest generation in each step, from its
+        training's start (or its boundary) to the next boundary: a pause that grows with
+        the objects the process holds, whichever way the step ran."""
+        return _grew_in_steps(self.collections_at_marks, self.collections_at_starts)
 
     def milliseconds(self) -> list[float]:
         """Each step's time, from its training's start (or its boundary) to the next
@@ -339,13 +375,26 @@ class StepClock:
         return [1000 * (b - a) for a, b in zip(begins, self.marks[1:], strict=True)]
 
 
+def _grew_in_steps(at_marks: list[int], at_starts: dict[int, int]) -> list[bool]:
+    """Whether a count read at each step boundary (``at_marks``) and at each step's
+    training start (``at_starts``, where one was marked) grew within each step."""
+    return [at_marks[i + 1] > at_starts.get(i, at_marks[i]) for i in range(len(at_marks) - 1)]
+
+
 @dataclass(frozen=True)
 class TimedSteps:
     """A phase's timed steps, as every process saw them: each step's batch elements
-    (None: not known) and whether dynamo compiled in it."""
+    (None: not known), whether dynamo compiled in it and whether Python ran a full garbage
+    collection in it (``collected``; none where not given)."""
 
     elements: list[int | None]
     compiled: list[bool]
+    collected: list[bool] = field(default_factory=list)
+
+    def left_out(self) -> list[bool]:
+        """Whether each step is left out of the medians: it compiled or collected."""
+        collected = self.collected or [False] * len(self.compiled)
+        return [a or b for a, b in zip(self.compiled, collected, strict=True)]
 
 
 @dataclass
@@ -369,6 +418,7 @@ class Phase:
     finished: bool = False  # its last window timed
     scaling: SizeScaling | None = None  # set by ``medians``
     uncounted: int = 0  # timed steps that compiled, left out by ``medians``
+    collected: int = 0  # ... that ran a full garbage collection (and did not compile)
 
     @property
     def marks(self) -> int:
@@ -384,20 +434,21 @@ class Phase:
 
     def agrees(self) -> bool:
         """Whether every pair of turns in its last window (a challenger's step and the
-        incumbent's after it, at one batch size, neither compiling) falls on the same
+        incumbent's after it, at one batch size, neither left out) falls on the same
         side of the decision: the way that must win by ``EDGE`` (compiled against eager;
         a candidate against compiled) won by it in all, or in none. A load from
         elsewhere that lands on some turns makes them disagree; then another window is
         timed (``MAX_WINDOWS`` at most) and the medians take every window's steps."""
         assert self.clock is not None
         timed = self.timed_steps()
-        ways = [i % 2 for i in range(len(timed.compiled))]
+        left_out = timed.left_out()
+        ways = [i % 2 for i in range(len(left_out))]
         scaled, _ = at_one_size(self.clock.milliseconds(), timed.elements, ways)
         first = 2 * WINDOW * (self.windows - 1)
         wins = [
             self._must_win(scaled[i], scaled[i + 1]) <= 1 - EDGE
             for i in range(first, len(scaled) - 1, 2)
-            if not (timed.compiled[i] or timed.compiled[i + 1])
+            if not (left_out[i] or left_out[i + 1])
         ]
         return bool(wins) and len(set(wins)) == 1
 
@@ -417,21 +468,25 @@ class Phase:
         """Its timed steps on this process (none where it did not run)."""
         if self.clock is None:
             return TimedSteps([], [])
-        return TimedSteps(self.clock.batch_elements(), self.clock.compiled_steps())
+        clock = self.clock
+        return TimedSteps(clock.batch_elements(), clock.compiled_steps(), clock.collected_steps())
 
     def medians(self, timed: TimedSteps) -> tuple[float, float]:
         """The incumbent's and the challenger's median step, in milliseconds, leaving out
-        the steps that ``timed`` says compiled (where each way keeps one), at one batch
-        size where the steps' batch elements differed (``at_one_size``)."""
+        the steps that ``timed`` says compiled or collected garbage (where each way keeps
+        one), at one batch size where the steps' batch elements differed
+        (``at_one_size``)."""
         assert self.clock is not None
         steps = self.clock.milliseconds()
         ways = [i % 2 for i in range(len(steps))]  # 0: the challenger's turn
-        counted = [i for i, compiled in enumerate(timed.compiled) if not compiled]
+        counted = [i for i, out in enumerate(timed.left_out()) if not out]
         if {ways[i] for i in counted} != {0, 1}:  # a way would have none: count them all
             counted = list(range(len(steps)))
-        self.uncounted = len(steps) - len(counted)
-        if self.uncounted:
-            self.notes.append(not_counted(self.uncounted))
+        left_out = sorted(set(range(len(steps))) - set(counted))
+        self.uncounted = sum(timed.compiled[i] for i in left_out)
+        self.collected = len(left_out) - self.uncounted
+        if left_out:
+            self.notes.append(not_counted(self.uncounted, self.collected))
         ways = [ways[i] for i in counted]
         elements = [timed.elements[i] for i in counted]
         scaled, self.scaling = at_one_size([steps[i] for i in counted], elements, ways)
@@ -652,6 +707,7 @@ class CompilePayoff:
             first.scaling,
             first.uncounted,
             first.windows,
+            first.collected,
         )
 
 
@@ -687,7 +743,8 @@ def agreed_over_processes(phases: list[TimedSteps], processes: Processes) -> lis
     """Each phase's timed steps (``Phase.timed_steps``) as the job ran them: a synchronous
     step (DDP's gradient all-reduce) takes about as long as its slowest rank's, so a
     step's batch elements are the largest over the processes (the rank with the most
-    work), and a step compiled where any process compiled in it (the others waited). A
+    work), and a step compiled (or collected garbage) where any process did in it (the
+    others waited). A
     phase where any process lacks a step's size comes back with sizes all None (compared
     unscaled). One all-reduce of every phase at once, which every process makes alike;
     as they are in one process."""
@@ -699,20 +756,23 @@ def agreed_over_processes(phases: list[TimedSteps], processes: Processes) -> lis
     for timed in phases:  # each a phase's timed steps (as many on every process), or none
         known = bool(timed.elements) and all(timed.elements)
         sizes = [n or 0 for n in timed.elements]
-        compiled = [int(flag) for flag in timed.compiled]
         payload += sizes + [0] * (width - len(sizes)) + [-1 if known else 0]
-        payload += compiled + [0] * (width - len(compiled))
+        for flags in (timed.compiled, timed.collected):
+            payload += [int(flag) for flag in flags] + [0] * (width - len(flags))
     tensor = torch.tensor(payload, dtype=torch.int64, device=processes.root_device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     values = tensor.tolist()
     agreed: list[TimedSteps] = []
-    stride = 2 * width + 1
+    stride = 3 * width + 1
     for index, timed in enumerate(phases):
         chunk = values[index * stride : (index + 1) * stride]
         steps = len(timed.elements)
         largest: list[int | None] = list(chunk[:steps]) if chunk[width] == -1 else [None] * steps
-        flags = [bool(flag) for flag in chunk[width + 1 : width + 1 + steps]]
-        agreed.append(TimedSteps(largest, flags))
+        compiled, collected = (
+            [bool(flag) for flag in chunk[start : start + steps]]
+            for start in (width + 1, 2 * width + 1)
+        )
+        agreed.append(TimedSteps(largest, compiled, collected))
     return agreed
 
 

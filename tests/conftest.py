@@ -107,15 +107,18 @@ def leaves_the_process_as_it_found_it(request):
 @pytest.fixture
 def lightning_may_set_omp_num_threads():
     """For a test that sets a Lightning distributed strategy up in its own process:
-    Lightning sets ``OMP_NUM_THREADS`` there where it is unset (``fabric.utilities.
-    distributed._set_num_threads_if_needed``, kept for the user's whole job); here it
-    ends with the test."""
+    Lightning sets ``OMP_NUM_THREADS`` there where it is unset, with
+    ``torch.set_num_threads`` (``fabric.utilities.distributed._set_num_threads_if_needed``,
+    kept for the user's whole job; it also turns MKL's dynamic adjustment off); here the
+    variable, the thread count and MKL's flag end with the test."""
     previous = os.environ.get("OMP_NUM_THREADS")
+    threads, mkl_dynamic = torch.get_num_threads(), process_state.mkl_dynamic_adjustment()
     yield
     if previous is None:
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
         os.environ["OMP_NUM_THREADS"] = previous
+    process_state.put_back_threads(threads, mkl_dynamic)
 
 
 class CountingBackend:

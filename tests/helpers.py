@@ -5,9 +5,11 @@ under the strategy and plain Lightning. Test modules import from here (and from
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,9 +19,22 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from examples.lightning_gpt import CharDataModule, GPTModule
-from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy, payoff
+from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy, compat, payoff
 
 # --- one Trainer ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """The calling thread's intra-op work (ATen, MKL) on one thread, as the library limits
+    it (``compat.limit_intra_op_threads``): ``torch.set_num_threads`` would also turn
+    MKL's dynamic adjustment off for the worker's later tests, whose small matmuls would
+    then wait for a second core beside the other busy worker."""
+    before = compat.limit_intra_op_threads(1)
+    try:
+        yield
+    finally:
+        compat.restore_intra_op_threads(before)
 
 
 def trainer(

@@ -46,6 +46,9 @@ def process_state() -> dict[str, Any]:
         "anomaly detection": torch.is_anomaly_enabled(),
         "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
         "intra-op threads": torch.get_num_threads(),
+        # off after any torch.set_num_threads: every later test's small matmuls then run
+        # on all threads, and beside a busy worker wait tens of ms for the second core
+        "MKL dynamic adjustment": mkl_dynamic_adjustment(),
         "default dtype": torch.get_default_dtype(),
         "default device": str(torch.get_default_device()),
         "float32 matmul precision": torch.get_float32_matmul_precision(),
@@ -84,7 +87,7 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 def restore(before: dict[str, Any]) -> None:
     """Put back what can be put back by value: threads, grad mode, the environment and
     the compile settings (so that one test's leak does not fail the tests after it)."""
-    torch.set_num_threads(before["intra-op threads"])
+    put_back_threads(before["intra-op threads"], before["MKL dynamic adjustment"])
     torch.set_grad_enabled(before["grad enabled"])
     for name in [n for n in os.environ if n.startswith(WATCHED_ENVIRONMENT)]:
         if f"${name}" not in before:
@@ -127,6 +130,15 @@ def mkl_dynamic_adjustment() -> bool | None:
         printed.seek(0)
         found = re.search(rb"Dyn:(\d)", printed.read())
     return None if found is None else found.group(1) == b"1"
+
+
+def put_back_threads(threads: int, mkl_dynamic: bool | None) -> None:
+    """Intra-op ``threads`` and MKL's dynamic adjustment as they were (``torch.
+    set_num_threads`` turns it off: set after it)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if mkl_dynamic is not None and mkl_dynamic_adjustment() != mkl_dynamic:
+        set_mkl_dynamic_adjustment(mkl_dynamic)
 
 
 def set_mkl_dynamic_adjustment(on: bool) -> None:
