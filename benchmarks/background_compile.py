@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
-from benchmarks.protocol import CpuClock, OtherLoad  # noqa: E402
+from benchmarks.protocol import CpuClock, OtherLoad, earliest_with_extra_cpu  # noqa: E402
 from benchmarks.repeated_runs import warm_torchs_own_files  # noqa: E402
 
 #: way: (strategy, whole-model compile, torch's async mode, where the classes are)
@@ -266,6 +266,7 @@ def figures(record: dict[str, Any]) -> dict[str, float]:
     ends, durations = record["ends"], record["durations"]
     out = {f"step_{n}": ends[n - 1] for n in MARKS if len(ends) >= n}
     out["cpu"] = record["cpu_seconds"]
+    out["wall"] = ends[-1]
     out["longest_later"] = max(durations[1:])
     # steps 1..k ran eager; step k's optimizer step ended in the switch (the regions
     # compiled in place, warm); step k + 1 is the first compiled one
@@ -358,6 +359,8 @@ def verdicts(rounds: list[dict[str, dict]], ways: list[str], median: Any) -> lis
                 f"- {way}: step 1000 at {thousand:.1f} s against 1.05 x the best of eager and "
                 f"the default mode = {limit:.1f} s: {verdict}"
             )
+    for way in [w for w in ways if w != "eager"]:
+        out += compile_cost(way, median, os.cpu_count() or 1)
     for way in ways:
         decisions = sorted({r[way].get("payoff", "") for r in rounds if way in r} - {""})
         if decisions:
@@ -369,6 +372,24 @@ def verdicts(rounds: list[dict[str, dict]], ways: list[str], median: Any) -> lis
             best = min(known, key=lambda w: known[w])
             out.append(f"- step {n} is reached first by {best} ({known[best]:.1f} s)")
     return out
+
+
+def compile_cost(way: str, median: Any, cores: int) -> list[str]:
+    """What ``way``'s job spent beyond eager's in CPU time (its compile, mostly), and the
+    earliest any way spending that could reach step 1000 on ``cores`` cores
+    (``protocol.earliest_with_extra_cpu``)."""
+    eager_cpu, eager_wall, eager_1000 = (median("eager", k) for k in ("cpu", "wall", "step_1000"))
+    cpu, thousand = median(way, "cpu"), median(way, "step_1000")
+    if None in (eager_cpu, eager_wall, eager_1000, cpu, thousand):
+        return []
+    extra = cpu - eager_cpu
+    bound = earliest_with_extra_cpu(eager_cpu, eager_wall, eager_1000, extra, cores)
+    return [
+        f"- {way}: the job's CPU time beyond eager's {extra:.0f} s; eager kept "
+        f"{eager_cpu / eager_wall:.2f} of {cores} cores busy, so no way spending that reaches "
+        f"step 1000 before {bound:.1f} s ({bound / eager_1000:.2f} x eager's): this way "
+        f"{thousand / bound:.2f} x that bound"
+    ]
 
 
 def plot(rounds: list[dict[str, dict]], ways: list[str], path: Path, title: str) -> None:

@@ -178,6 +178,18 @@ def tree_cpu_seconds() -> float:
     return total
 
 
+def earliest_with_extra_cpu(
+    eager_cpu: float, eager_wall: float, eager_at: float, extra_cpu: float, cores: int
+) -> float:
+    """The earliest a run that spends ``extra_cpu`` CPU seconds beyond eager's (a compile)
+    could reach the step eager reached at ``eager_at`` seconds, on ``cores`` cores, where
+    eager's whole run took ``eager_cpu`` CPU seconds in ``eager_wall``: the cores eager
+    left idle absorb what they can, the rest is spread over every core (each step's own
+    work as eager's)."""
+    idle = max(0.0, cores * eager_wall - eager_cpu)
+    return eager_at + max(0.0, extra_cpu - idle) / cores
+
+
 def busy_cpu_seconds() -> float | None:
     """CPU seconds the whole machine has been busy (``/proc/stat``), or None off Linux."""
     try:

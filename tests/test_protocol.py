@@ -148,3 +148,13 @@ def test_a_disturbed_measurement_says_why_and_a_quiet_one_says_nothing():
     assert protocol.disturbance([0.01, None], [0.05]) is None
     assert "other programs used up to 1.2 of" in protocol.disturbance([0.01, 1.2], [])
     assert "a median uncertain by up to +-30% (limit 10%)" in protocol.disturbance([], [0.3])
+
+
+def test_the_earliest_a_run_with_a_compile_can_reach_a_step_spreads_what_idle_cores_cannot_absorb():
+    """Eager: 144 CPU s in 76 s on 2 cores (8 s idle), step 1000 at 75.8 s. 35 CPU s more
+    (a background compile): 27 s over 2 cores, 13.5 s later; 5 s more fit in the idle
+    cores; on one core eager left none idle."""
+    bound = protocol.earliest_with_extra_cpu
+    assert bound(144.0, 76.0, 75.8, 35.0, 2) == pytest.approx(75.8 + 27.0 / 2)
+    assert bound(144.0, 76.0, 75.8, 5.0, 2) == pytest.approx(75.8)
+    assert bound(76.0, 76.0, 75.8, 10.0, 1) == pytest.approx(85.8)
