@@ -273,9 +273,8 @@ def restored_environ():
     os.environ.update(saved)
 
 
-def test_tensor_parallel_size_without_configure_model_raises_before_any_process_group(
-    tmp_path, restored_environ
-):
+@pytest.mark.usefixtures("restored_environ", "lightning_may_set_omp_num_threads")
+def test_tensor_parallel_size_without_configure_model_raises_before_any_process_group(tmp_path):
     strategy = RegionalCompileFSDPStrategy(tensor_parallel_size=2, process_group_backend="gloo")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*configure_model"):
