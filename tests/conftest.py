@@ -109,10 +109,13 @@ def lightning_may_set_omp_num_threads():
     """For a test that sets a Lightning distributed strategy up in its own process:
     Lightning sets ``OMP_NUM_THREADS`` there where it is unset, with
     ``torch.set_num_threads`` (``fabric.utilities.distributed._set_num_threads_if_needed``,
-    kept for the user's whole job; it also turns MKL's dynamic adjustment off); here the
-    variable, the thread count and MKL's flag end with the test."""
+    kept for the user's whole job). That call turns MKL's dynamic adjustment off, and ATen
+    may repeat it later (``process_state.put_back_threads``), so the flag may not stay put
+    back for the worker's later tests: here the variable is set to the present count for
+    the test (Lightning then sets nothing) and ends with it."""
     previous = os.environ.get("OMP_NUM_THREADS")
     threads, mkl_dynamic = torch.get_num_threads(), process_state.mkl_dynamic_adjustment()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     yield
     if previous is None:
         os.environ.pop("OMP_NUM_THREADS", None)

@@ -133,10 +133,12 @@ def mkl_dynamic_adjustment() -> bool | None:
 
 
 def put_back_threads(threads: int, mkl_dynamic: bool | None) -> None:
-    """Intra-op ``threads`` and MKL's dynamic adjustment as they were (``torch.
-    set_num_threads`` turns it off: set after it)."""
+    """Intra-op ``threads`` and MKL's dynamic adjustment as they were, without
+    ``torch.set_num_threads``: once it was called, ATen may call it again (it did at
+    ``torch.__config__.parallel_info()``, in one order of calls), turning the flag off
+    again, so a flag put back after it may not stay."""
     if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+        compat.limit_intra_op_threads(threads)
     if mkl_dynamic is not None and mkl_dynamic_adjustment() != mkl_dynamic:
         set_mkl_dynamic_adjustment(mkl_dynamic)
 

@@ -17,8 +17,17 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import WaitForTheSwitch, data, gpt, is_running, seeded_stack, trainer, vectors
-from process_state import mkl_dynamic_adjustment, put_back_threads, set_mkl_dynamic_adjustment
+from helpers import (
+    WaitForTheSwitch,
+    data,
+    gpt,
+    is_running,
+    one_intra_op_thread,
+    seeded_stack,
+    trainer,
+    vectors,
+)
+from process_state import mkl_dynamic_adjustment, set_mkl_dynamic_adjustment
 from torch import nn
 
 from lightning_regions import (
@@ -90,12 +99,8 @@ def test_the_training_process_keeps_mkls_dynamic_thread_adjustment(tmp_path):
 def test_the_child_compiles_for_the_training_processs_own_thread_count(tmp_path):
     """One intra-op thread in the training process (the user's ``set_num_threads(1)``),
     where a new process would take one per core: the child compiles for one."""
-    threads, mkl_dynamic = torch.get_num_threads(), mkl_dynamic_adjustment()
-    torch.set_num_threads(1)
-    try:
+    with one_intra_op_thread():  # not torch.set_num_threads: its MKL flag would stay off
         strategy = fit_both(tmp_path, *twins())
-    finally:
-        put_back_threads(threads, mkl_dynamic)
     assert strategy.background.child_threads == 1 and strategy.background.switched
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -164,8 +165,17 @@ def test_limiting_intra_op_threads_leaves_mkls_dynamic_adjustment_as_it_was():
         compat.restore_intra_op_threads(before)
         assert torch.get_num_threads() == threads
         assert mkl_dynamic_adjustment() is True
-        torch.set_num_threads(threads)  # what the limit avoids: torch's own setter
-        assert mkl_dynamic_adjustment() is False
     finally:
-        torch.set_num_threads(threads)
         set_mkl_dynamic_adjustment(bool(was))
+    # what the limit avoids, torch's own setter, in a process of its own: after it, ATen
+    # may call it again (it did at ``torch.__config__.parallel_info()`` after the flag was
+    # put back, in one order of calls), so this worker could not be sure to have it back
+    canary = (
+        "import sys, torch; sys.path.insert(0, 'tests')\n"
+        "from process_state import mkl_dynamic_adjustment as on\n"
+        "first = on(); torch.set_num_threads(torch.get_num_threads()); print(first, on())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", canary], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split()[-2:] == ["True", "False"], done.stdout
