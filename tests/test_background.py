@@ -97,8 +97,9 @@ def test_the_training_process_keeps_mkls_dynamic_thread_adjustment(tmp_path):
 
 
 def test_the_child_compiles_for_the_training_processs_own_thread_count(tmp_path):
-    """One intra-op thread in the training process (the user's ``set_num_threads(1)``),
-    where a new process would take one per core: the child compiles for one."""
+    """One intra-op thread in the training process (as a user's ``set_num_threads(1)``
+    gives; set here through ``compat`` to keep the worker's MKL flag), where a new process
+    would take one per core: the child compiles for one."""
     with one_intra_op_thread():  # not torch.set_num_threads: its MKL flag would stay off
         strategy = fit_both(tmp_path, *twins())
     assert strategy.background.child_threads == 1 and strategy.background.switched
