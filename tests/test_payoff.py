@@ -249,14 +249,15 @@ def test_no_decision_before_the_windows_end_and_none_when_turned_off(tmp_path, c
 
 
 class PointwiseBlock(nn.Module):
-    """60 chained cheap pointwise ops (multiply, add, clamp): inductor fuses them into one
-    kernel each way, where eager runs (and dispatches) 60 and reads and writes the tensor
-    each time. One block forward and backward on one thread, alone: compiled 0.32x
-    eager's at 64 x 64, 0.36x at 512 x 64, 0.19x at 4096 x 64. Not ``tanh`` or
-    ``sigmoid``: on this CPU inductor's vectorized ``tanh`` and ``exp`` are slower than
-    ATen's eager kernels (24 chained ``tanh`` on 512 x 64, forward: compiled 2.2 ms, eager
-    0.22), so such a chain is faster compiled only where dispatch dominates (a small
-    tensor), and the gate rightly reverts it on a large one."""
+    """15 chained cheap pointwise ops (multiply, add, clamp): inductor fuses them into one
+    kernel each way, where eager runs (and dispatches) 15 and reads and writes the tensor
+    each time. ``PointwiseStack``'s 6 blocks forward and backward on 512 x 64, one thread,
+    alone: compiled 0.30x eager's (1.85 against 6.19 ms); its cold inductor compile 10 s
+    here, where 60 ops took 52 s (mostly inductor's C++ code generation of the backward)
+    for 0.24x. Not ``tanh`` or ``sigmoid``: on this CPU inductor's vectorized ``tanh`` and
+    ``exp`` are slower than ATen's eager kernels (24 chained ``tanh`` on 512 x 64, forward:
+    compiled 2.2 ms, eager 0.22), so such a chain is faster compiled only where dispatch
+    dominates (a small tensor), and the gate rightly reverts it on a large one."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -264,7 +265,7 @@ class PointwiseBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x
-        for _ in range(12):
+        for _ in range(3):
             y = (y * self.scale + 0.5).clamp(-2.0, 2.0) - 0.25 * y
         return y
 
@@ -294,7 +295,7 @@ class PointwiseModule(pl.LightningModule):
 
 def fit_on_one_thread(tmp_path, strategy, steps: int) -> PointwiseModule:
     """``steps`` steps of ``PointwiseModule`` on batches of 512 x 64 (the gate's figures
-    here: compiled 0.30-0.32x eager's, 3 runs alone) on one intra-op thread (one core: no
+    here: compiled 0.35-0.36x eager's, 2 runs alone) on one intra-op thread (one core: no
     OpenMP barrier in a small kernel beside a busy one)."""
     batches = torch.utils.data.DataLoader(torch.randn(steps * 512, 64), batch_size=512)
     module = PointwiseModule()
