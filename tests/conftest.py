@@ -112,16 +112,16 @@ def lightning_may_set_omp_num_threads():
     kept for the user's whole job). That call turns MKL's dynamic adjustment off, and ATen
     may repeat it later (``process_state.put_back_threads``), so the flag may not stay put
     back for the worker's later tests: here the variable is set to the present count for
-    the test (Lightning then sets nothing) and ends with it."""
+    the test (Lightning then sets nothing) and ends with it. Nothing is put back after it:
+    where Lightning changed the count or the flag after all, ``leaves_the_process_as_it_
+    found_it`` fails the test."""
     previous = os.environ.get("OMP_NUM_THREADS")
-    threads, mkl_dynamic = torch.get_num_threads(), process_state.mkl_dynamic_adjustment()
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     yield
     if previous is None:
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
         os.environ["OMP_NUM_THREADS"] = previous
-    process_state.put_back_threads(threads, mkl_dynamic)
 
 
 class CountingBackend:
