@@ -5,13 +5,13 @@ training as eager would, with the tie, the parameters, the optimizer and the key
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import itertools
 import os
 import pickle
 import statistics
 import time
-from itertools import pairwise
 
 import lightning.pytorch as pl
 import pytest
@@ -629,9 +629,11 @@ def test_every_rank_scales_by_the_largest_batch_and_leaves_out_any_rank_s_compil
 SLOW_VALIDATION_S = 0.1
 
 
-def timed_validation(validations: list[tuple[float, float]]) -> None:
-    """Sleep ``SLOW_VALIDATION_S``, adding its span on the gate's CPU clock."""
+def timed_validation(validations: list[tuple[float, float]], work=lambda: None) -> None:
+    """Run ``work``, then sleep ``SLOW_VALIDATION_S``, adding the span of both on the
+    gate's CPU clock to ``validations``."""
     began = time.perf_counter()
+    work()
     time.sleep(SLOW_VALIDATION_S)
     validations.append((began, time.perf_counter()))
 
@@ -655,8 +657,8 @@ def assert_no_timed_step_holds_a_validation(payoff, validations) -> None:
     clock = payoff.phases[0].clock
     assert sorted(clock.starts) == list(range(len(clock.marks) - 1)), clock.starts
     for phase in payoff.phases:
-        starts = phase.clock.starts
-        spans = [(starts.get(i, a), b) for i, (a, b) in enumerate(pairwise(phase.clock.marks))]
+        starts, bounds = phase.clock.starts, itertools.pairwise(phase.clock.marks)
+        spans = [(starts.get(i, a), b) for i, (a, b) in enumerate(bounds)]
         holding = [
             (i, round(1000 * (end - begin), 1))
             for i, (begin, end) in enumerate(spans)
@@ -700,11 +702,8 @@ def test_a_fabric_validation_between_steps_is_not_in_the_timed_steps():
         optimizer.step()
         optimizer.zero_grad()
         if step % 2 == 0:
-            began = time.perf_counter()
             with torch.no_grad():
-                model(idx)
-            timed_validation(validations)
-            validations[-1] = (began, validations[-1][1])
+                timed_validation(validations, functools.partial(model, idx))
         if step == SETTLE + 2:  # timing: the hook is on the module; a copy drops it
             assert len(model.module._forward_pre_hooks) == 1
             for copied in (copy.deepcopy(model.module), pickle.loads(pickle.dumps(model.module))):
