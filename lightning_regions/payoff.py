@@ -365,14 +365,19 @@ class StepClock:
         the objects the process holds, whichever way the step ran."""
         return _grew_in_steps(self.collections_at_marks, self.collections_at_starts)
 
+    def spans(self) -> list[tuple[Any, Any]]:
+        """Each step's span on the clock: its training's start (or its boundary) and the
+        next boundary (``time.perf_counter`` values, or CUDA events)."""
+        bounds = itertools.pairwise(self.marks)
+        return [(self.starts.get(i, a), b) for i, (a, b) in enumerate(bounds)]
+
     def milliseconds(self) -> list[float]:
         """Each step's time, from its training's start (or its boundary) to the next
         boundary, in milliseconds."""
-        begins = [self.starts.get(i, mark) for i, mark in enumerate(self.marks[:-1])]
         if self.cuda:
             self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in zip(begins, self.marks[1:], strict=True)]
-        return [1000 * (b - a) for a, b in zip(begins, self.marks[1:], strict=True)]
+            return [a.elapsed_time(b) for a, b in self.spans()]
+        return [1000 * (b - a) for a, b in self.spans()]
 
 
 def _grew_in_steps(at_marks: list[int], at_starts: dict[int, int]) -> list[bool]:

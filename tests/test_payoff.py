@@ -657,11 +657,9 @@ def assert_no_timed_step_holds_a_validation(payoff, validations) -> None:
     clock = payoff.phases[0].clock
     assert sorted(clock.starts) == list(range(len(clock.marks) - 1)), clock.starts
     for phase in payoff.phases:
-        starts, bounds = phase.clock.starts, itertools.pairwise(phase.clock.marks)
-        spans = [(starts.get(i, a), b) for i, (a, b) in enumerate(bounds)]
         holding = [
             (i, round(1000 * (end - begin), 1))
-            for i, (begin, end) in enumerate(spans)
+            for i, (begin, end) in enumerate(phase.clock.spans())
             if any(begin < stopped and started < end for started, stopped in validations)
         ]
         assert not holding, (phase.challenger, decision, holding)
