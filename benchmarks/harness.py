@@ -2,7 +2,7 @@
 
 - ``quiet_trainer``: a real Lightning ``Trainer`` that only trains what it is given, with
   no validation, logger, checkpoints, progress bar or model summary unless asked, its
-  files in a fresh temporary folder.
+  files in a fresh temporary folder (removed when the process exits).
 - ``provenance``: the commit (``+dirty`` with uncommitted changes), the date, the
   machine and the command of a run.
 - ``save_results``: ``name.md`` and ``name.json`` in ``benchmarks/results/``, each with
@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The quiet Trainers' folders, one per Trainer inside it; removed when the process exits.
+_TRAINER_FOLDERS = tempfile.TemporaryDirectory(prefix="benchmark-")
 
 
 def quiet_trainer(
@@ -49,7 +52,7 @@ def quiet_trainer(
         "enable_checkpointing": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
-        "default_root_dir": tempfile.mkdtemp(prefix="benchmark-"),
+        "default_root_dir": tempfile.mkdtemp(dir=_TRAINER_FOLDERS.name),
         "callbacks": list(callbacks),
     }
     return pl.Trainer(**{**options, **overrides})
