@@ -3,7 +3,9 @@
 ``prepare_trainer``) with ``regional_strategy(RayDDPStrategy)``: losses equal Ray's own
 strategy's, the regions compile on both workers, the background mode switches on both,
 and nothing is left running after ``ray.shutdown()``. One local Ray cluster, in a
-subprocess (``tests/ray_run.py``), runs the three modes."""
+subprocess (``tests/ray_run.py``), runs the three modes in one ``TorchTrainer``'s
+workers, the background mode first (in fresh worker processes: the child and the switch
+are what a fresh process could get wrong)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ pytest.importorskip("ray.train.lightning", reason="the .[ray] extra (make instal
 pytestmark = pytest.mark.ddp
 
 SCRIPT = Path(__file__).parent / "ray_run.py"
-MODES = ("plain_long", "regional", "background")
+MODES = ("background", "regional", "plain_long")
 
 
 @pytest.fixture(scope="module")
