@@ -22,7 +22,8 @@ SCRIPT = Path(__file__).parent / "nodes_run.py"
 EAGER_SCENARIOS = ["plain_ddp", "regional_ddp", "split_ddp", "graph_break_ddp"]
 GATE_SCENARIOS = ["gate_plain", "gate_ddp"]
 FSDP_SCENARIOS = ["fsdp_plain", "fsdp_regional"]
-INDUCTOR_SCENARIOS = ["background", "resume", "fsdp_resume", "refused", "slow", "dead"]
+INDUCTOR_SCENARIOS = ["background", "resume", "fsdp_resume", "refused"]
+FAULT_SCENARIOS = ["slow", "dead"]  # the child stopped early; the fallback on aot_eager
 
 pytestmark = pytest.mark.ddp
 
@@ -30,7 +31,9 @@ pytestmark = pytest.mark.ddp
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("nodes")
-    scenarios = EAGER_SCENARIOS + GATE_SCENARIOS + FSDP_SCENARIOS + INDUCTOR_SCENARIOS
+    scenarios = (
+        EAGER_SCENARIOS + GATE_SCENARIOS + FSDP_SCENARIOS + INDUCTOR_SCENARIOS + FAULT_SCENARIOS
+    )
     run_nodes([sys.executable, str(SCRIPT), str(out), "1", *scenarios], timeout=1500)
     return out
 
@@ -122,8 +125,7 @@ def test_artifacts_refused_on_one_node_warn_there_once_and_it_compiles_itself(no
     assert node0["steps_eager"] == node1["steps_eager"] and node1["ran_eager"] == 0
 
 
-@pytest.mark.inductor
-@pytest.mark.parametrize("scenario", ["slow", "dead"])
+@pytest.mark.parametrize("scenario", FAULT_SCENARIOS)
 def test_a_slow_or_dead_child_warns_once_on_each_node_and_the_job_trains_on(nodes, scenario):
     node0, node1 = ranks(nodes, scenario)
     assert node0["steps_eager"] == node1["steps_eager"]
