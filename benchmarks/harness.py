@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -24,8 +25,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The quiet Trainers' folders, one per Trainer inside it; removed when the process exits.
-_TRAINER_FOLDERS = tempfile.TemporaryDirectory(prefix="benchmark-")
+
+@functools.cache
+def _trainer_folders() -> tempfile.TemporaryDirectory[str]:
+    """The folder that holds the quiet Trainers' folders, one per Trainer; made at the first
+    Trainer (not at import: most benchmarks import this module for ``provenance`` alone),
+    kept alive by the cache and removed when the process exits."""
+    return tempfile.TemporaryDirectory(prefix="benchmark-")
 
 
 def quiet_trainer(
@@ -52,7 +58,7 @@ def quiet_trainer(
         "enable_checkpointing": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
-        "default_root_dir": tempfile.mkdtemp(dir=_TRAINER_FOLDERS.name),
+        "default_root_dir": tempfile.mkdtemp(dir=_trainer_folders().name),
         "callbacks": list(callbacks),
     }
     return pl.Trainer(**{**options, **overrides})
