@@ -31,8 +31,9 @@ from torch import nn  # noqa: E402
 
 from benchmarks.harness import save_results  # noqa: E402
 from benchmarks.steady_step import OneProcess  # noqa: E402
-from lightning_regions import compile_regions, payoff  # noqa: E402
-from lightning_regions.compile import COMPILED, use_region_calls  # noqa: E402
+from lightning_regions import compile_regions  # noqa: E402
+from lightning_regions.core.compile import COMPILED, use_region_calls  # noqa: E402
+from lightning_regions.gate import gate as payoff  # noqa: E402
 
 RATIOS = (0.7, 0.9, 0.95, 1.05, 1.1, 1.34)
 EAGER_MS, NOISE = 10.0, 0.04

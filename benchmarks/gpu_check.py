@@ -110,7 +110,7 @@ REAL_WAYS = (
 #: The real models' steady step is timed from this step to the last: after the strategy's
 #: latest keep-or-revert decision (step 54: its CUDA-graphs candidate's phase after the
 #: compiled-vs-eager one, each timing all its windows; tests/test_gpu_check.py checks it
-#: against ``lightning_regions.payoff``), so no way's steady step holds a gate's turns.
+#: against ``lightning_regions.gate.gate``), so no way's steady step holds a gate's turns.
 STEADY_FROM = 60
 REAL_STEPS = (1, 10, STEADY_FROM, 100)
 RESUME_MODEL = ["--n-layer", "4", "--n-embd", "256", "--block-size", "64"]
@@ -233,7 +233,7 @@ def real_run(model: str, way: str, device: str) -> dict:
     import transformers
 
     from lightning_regions import compile_regions
-    from lightning_regions.kv_cache import disable_kv_cache_unless_asked
+    from lightning_regions.core.kv_cache import disable_kv_cache_unless_asked
 
     config_name, config, batch, length = REAL_MODELS[model]
     if device != "cuda":

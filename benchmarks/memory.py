@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from harness import quiet_trainer, save_results  # noqa: E402
 
-from lightning_regions.background_child import peak_rss_mb  # noqa: E402
+from lightning_regions.background.child import peak_rss_mb  # noqa: E402
 
 SIZE = {"block_size": 128, "n_layer": 16, "n_head": 4, "n_embd": 256}
 BATCH = 8
@@ -188,10 +188,10 @@ def ship_calls(depth: int, width: int, path: Path) -> None:
 
     from examples.lightning_gpt import CharDataModule, GPTModule
     from lightning_regions import find_regions
-    from lightning_regions.background import BackgroundCompile
+    from lightning_regions.background.shipment import pack
+    from lightning_regions.background.switch import BackgroundCompile
+    from lightning_regions.core.recipe import CompileRecipe
     from lightning_regions.options import RegionalOptions
-    from lightning_regions.recipe import CompileRecipe
-    from lightning_regions.shipment import pack
 
     data = CharDataModule(block_size=64, batch_size=4)
     module = GPTModule(
@@ -209,8 +209,8 @@ def ship_calls(depth: int, width: int, path: Path) -> None:
 def replay_per_call(path: Path) -> dict[str, Any]:
     """Compile and replay the shipment at ``path`` as the child does, in this process;
     its resident and peak memory after each call, in MiB."""
-    import lightning_regions.background_child as child
-    from lightning_regions.shipment import unpack
+    import lightning_regions.background.child as child
+    from lightning_regions.background.shipment import unpack
 
     def status(field: str) -> float:
         with open("/proc/self/status") as lines:
@@ -232,7 +232,7 @@ def replay_per_call(path: Path) -> dict[str, Any]:
 def measure_per_call(depth: int, width: int, fixed_threshold: bool) -> dict[str, Any]:
     """``replay_per_call`` in a fresh process, with glibc's default ``malloc`` or the
     fixed threshold the background child runs with (``background.CHILD_MALLOC``)."""
-    from lightning_regions.background import CHILD_MALLOC
+    from lightning_regions.background.switch import CHILD_MALLOC
 
     with tempfile.TemporaryDirectory(prefix="memory-calls-") as folder:
         path = Path(folder) / "shipment.pkl"

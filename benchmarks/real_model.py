@@ -45,7 +45,7 @@ def build(variant: str, device: str):
     import transformers
 
     from lightning_regions import compile_regions
-    from lightning_regions.kv_cache import disable_kv_cache_unless_asked
+    from lightning_regions.core.kv_cache import disable_kv_cache_unless_asked
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS)

@@ -60,7 +60,7 @@ class OneProcess:
 def run_gate(model, step, device: str) -> str:
     """Train ``model`` (compiled by ``compile_regions(inplace=True)``) with the strategy's
     keep-or-revert gate on its own steps until it decides; the decision, as logged."""
-    from lightning_regions.payoff import CompilePayoff
+    from lightning_regions.gate.gate import CompilePayoff
 
     payoff, processes = CompilePayoff(), OneProcess(device)
     while payoff.decision is None:

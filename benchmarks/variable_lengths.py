@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from lightning_regions.payoff import MAX_WINDOWS, SETTLE, WINDOW  # noqa: E402
+from lightning_regions.gate.gate import MAX_WINDOWS, SETTLE, WINDOW  # noqa: E402
 
 DEPTH = 12
 BATCH = 4
@@ -48,7 +48,7 @@ def one_run(width: int, low: int, high: int, seed: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_regions import RegionalCompileStrategy
-    from lightning_regions.payoff import at_one_size
+    from lightning_regions.gate.gate import at_one_size
 
     class LM(pl.LightningModule):
         def __init__(self) -> None:

@@ -26,7 +26,7 @@ import lightning_regions.fabric
 from examples.lightning_gpt import CharDataModule
 from examples.tiny_gpt import GPTConfig, TinyGPT
 from lightning_regions import TieCheck, region_report
-from lightning_regions.compile import tracker_of
+from lightning_regions.core.compile import tracker_of
 
 SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": 2}
 

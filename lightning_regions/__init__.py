@@ -10,15 +10,15 @@ strategy class the regions (Ray Train's, a cluster's, your own).
 """
 
 from . import compat  # noqa: F401  # checks torch's private names before anything uses them
-from .background import BackgroundCompileWarning
+from .background.switch import BackgroundCompileWarning
 from .cache import CacheArtifactsIgnoredWarning
-from .compile import compile_regions, end_observation
-from .compose import regional_strategy
-from .fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy
-from .graph import ModuleGraph, snapshot
-from .nested import NestedRegionError
-from .regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
-from .report import (
+from .core.compile import compile_regions, end_observation
+from .core.graph import ModuleGraph, snapshot
+from .core.nested import NestedRegionError
+from .core.regions import NoRepeatedBlocksWarning, Region, RegionPlan, find_regions
+from .core.tracking import RegionCompileError, RegionCompileWarning
+from .core.watch import RecompileStormWarning
+from .diagnosis.report import (
     PerInstanceRecompileWarning,
     RegionGraphBreakWarning,
     RegionNotCompiledWarning,
@@ -29,16 +29,16 @@ from .report import (
     warn_if_not_compiled,
     warn_per_instance_recompiles,
 )
-from .strategy import (
+from .diagnosis.tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError
+from .strategies.compose import regional_strategy
+from .strategies.fsdp import FSDPMeshWarning, RegionalCompileFSDPStrategy
+from .strategies.trainer import (
     RegionalCompileDDPStrategy,
     RegionalCompileMixin,
     RegionalCompileStrategy,
     register,
 )
-from .tiecheck import TieCheck, TiedWeightsCheck, TiedWeightsError
-from .tracking import RegionCompileError, RegionCompileWarning
-from .watch import RecompileStormWarning
-from .wrapping import RegionalCompileDeepSpeedStrategy, RegionalCompileFSDP1Strategy
+from .strategies.wrapping import RegionalCompileDeepSpeedStrategy, RegionalCompileFSDP1Strategy
 
 register(
     RegionalCompileFSDPStrategy, RegionalCompileFSDP1Strategy, RegionalCompileDeepSpeedStrategy

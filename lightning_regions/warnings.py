@@ -2,15 +2,19 @@
 ``from lightning_regions.warnings import RegionNotCompiledWarning``. The same names stay
 importable from ``lightning_regions`` itself."""
 
-from .background import BackgroundCompileWarning
+from .background.switch import BackgroundCompileWarning
 from .cache import CacheArtifactsIgnoredWarning
-from .fsdp import FSDPMeshWarning
-from .nested import NestedRegionError
-from .regions import NoRepeatedBlocksWarning
-from .report import PerInstanceRecompileWarning, RegionGraphBreakWarning, RegionNotCompiledWarning
-from .tiecheck import TiedWeightsError
-from .tracking import RegionCompileError, RegionCompileWarning
-from .watch import RecompileStormWarning
+from .core.nested import NestedRegionError
+from .core.regions import NoRepeatedBlocksWarning
+from .core.tracking import RegionCompileError, RegionCompileWarning
+from .core.watch import RecompileStormWarning
+from .diagnosis.report import (
+    PerInstanceRecompileWarning,
+    RegionGraphBreakWarning,
+    RegionNotCompiledWarning,
+)
+from .diagnosis.tiecheck import TiedWeightsError
+from .strategies.fsdp import FSDPMeshWarning
 
 __all__ = [
     "BackgroundCompileWarning",

@@ -70,7 +70,8 @@ def train(stage: int, backend: str | None, rank: int) -> dict:
     from lightning.fabric.plugins.environments import LightningEnvironment
     from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
-    from lightning_regions import RegionalCompileDeepSpeedStrategy, payoff, region_report
+    from lightning_regions import RegionalCompileDeepSpeedStrategy, region_report
+    from lightning_regions.gate import gate as payoff
 
     torch._dynamo.reset()
     clear_compilation_metrics()

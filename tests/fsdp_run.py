@@ -37,7 +37,7 @@ from lightning_regions import (
     TiedWeightsCheck,
     region_report,
 )
-from lightning_regions.compile import tracker_of
+from lightning_regions.core.compile import tracker_of
 
 SMALL = {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16, "unique_blocks": None}
 STEPS = 4

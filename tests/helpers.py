@@ -19,7 +19,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from examples.lightning_gpt import CharDataModule, GPTModule
-from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy, compat, payoff
+from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy, compat
+from lightning_regions.gate import gate as payoff
 
 # --- one Trainer ------------------------------------------------------------------------
 
@@ -127,14 +128,14 @@ class LenientRankOne(pl.Callback):
     rule is put back when the fit ends (scenarios share a process)."""
 
     def on_train_start(self, trainer, module) -> None:
-        from lightning_regions import payoff
+        from lightning_regions.gate import gate as payoff
 
         self.edge = payoff.EDGE
         if trainer.global_rank == 1:
             payoff.EDGE = -100.0
 
     def teardown(self, trainer, module, stage) -> None:
-        from lightning_regions import payoff
+        from lightning_regions.gate import gate as payoff
 
         payoff.EDGE = getattr(self, "edge", payoff.EDGE)
 

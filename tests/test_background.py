@@ -35,7 +35,7 @@ from lightning_regions import (
     RegionalCompileStrategy,
     region_report,
 )
-from lightning_regions.background import BackgroundCompileWarning, lent_threads
+from lightning_regions.background.switch import BackgroundCompileWarning, lent_threads
 
 #: The most steps a run that waits for the switch may take; it stops 3 steps after it.
 STEPS = 1000
@@ -111,11 +111,11 @@ def test_the_child_reports_its_own_peak_memory_not_its_parents():
     import subprocess
     import sys
 
-    from lightning_regions.background_child import peak_rss_mb
+    from lightning_regions.background.child import peak_rss_mb
 
     held = torch.ones(256 * 2**20 // 4 * 4)  # 1 GiB, written: resident in this process
     parent = peak_rss_mb()
-    code = "import resource; from lightning_regions.background_child import peak_rss_mb; "
+    code = "import resource; from lightning_regions.background.child import peak_rss_mb; "
     code += "print(peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     own, inherited = map(float, done.stdout.split())
@@ -358,11 +358,11 @@ class OneProcess:
 
 def test_what_ships_is_structure_and_call_metadata_never_weights():
     from lightning_regions import find_regions
-    from lightning_regions.background import BackgroundCompile
-    from lightning_regions.background_child import shipment_file
+    from lightning_regions.background.child import shipment_file
+    from lightning_regions.background.shipment import unpack
+    from lightning_regions.background.switch import BackgroundCompile
+    from lightning_regions.core.recipe import CompileRecipe
     from lightning_regions.options import RegionalOptions
-    from lightning_regions.recipe import CompileRecipe
-    from lightning_regions.shipment import unpack
 
     width = 256  # 4 blocks of 256 KB of weights each
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4))

@@ -37,8 +37,8 @@ from lightning_regions import (
     region_report,
 )
 from lightning_regions.compat import get_compilation_metrics
-from lightning_regions.compile import own_entries
-from lightning_regions.regions import find_regions
+from lightning_regions.core.compile import own_entries
+from lightning_regions.core.regions import find_regions
 
 OUR_WARNINGS = (PerInstanceRecompileWarning, RecompileStormWarning, RegionNotCompiledWarning)
 STEPS = 3

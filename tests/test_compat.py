@@ -81,7 +81,8 @@ NOT_TORCH_OR_LIGHTNING = {
 
 def _private_names_outside_compat() -> list[str]:
     found = []
-    for path in sorted((ROOT / "lightning_regions").glob("*.py")):
+    package = ROOT / "lightning_regions"
+    for path in sorted(package.rglob("*.py")):
         if path.name == "compat.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -95,7 +96,7 @@ def _private_names_outside_compat() -> list[str]:
                 private = [part for part in node.module.split(".") if part.startswith("_")]
                 name = private[0] if private and private != ["__future__"] else None
             if name and re.fullmatch(r"_[a-zA-Z]\w*", name) and name not in NOT_TORCH_OR_LIGHTNING:
-                found.append(f"{path.name}:{node.lineno} {name}")
+                found.append(f"{path.relative_to(package).as_posix()}:{node.lineno} {name}")
     return found
 
 
@@ -104,17 +105,17 @@ def test_no_private_torch_or_lightning_name_is_read_outside_compat():
 
 
 def test_the_scan_finds_a_private_read(tmp_path, monkeypatch):
-    package = tmp_path / "lightning_regions"
-    package.mkdir()
+    package = tmp_path / "lightning_regions" / "core"  # a module in a folder of the package
+    package.mkdir(parents=True)
     (package / "leak.py").write_text(
         "from torch._dynamo import config\n"
         "def f(m):\n    return m._modules, getattr(m, '_trainer')\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _private_names_outside_compat() == [
-        "leak.py:1 _dynamo",
-        "leak.py:3 _modules",
-        "leak.py:3 _trainer",
+        "core/leak.py:1 _dynamo",
+        "core/leak.py:3 _modules",
+        "core/leak.py:3 _trainer",
     ]
 
 

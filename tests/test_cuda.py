@@ -82,7 +82,13 @@ def test_the_gate_picks_cuda_graphs_on_the_launch_bound_tiny_gpt(tmp_path, caplo
     CUDA graphs replay in one (measured on an H200: 6.3 ms against 11.5 ms)."""
     from helpers import data, gpt, trainer
 
-    from lightning_regions.payoff import CANDIDATE_SETTLE, CUDA_GRAPHS, MAX_WINDOWS, SETTLE, WINDOW
+    from lightning_regions.gate.gate import (
+        CANDIDATE_SETTLE,
+        CUDA_GRAPHS,
+        MAX_WINDOWS,
+        SETTLE,
+        WINDOW,
+    )
 
     timed = 2 * WINDOW * MAX_WINDOWS  # each phase's steps where its turns disagree
     steps = 1 + SETTLE + timed + CANDIDATE_SETTLE + timed + 4

@@ -27,8 +27,8 @@ from lightning_regions import (
     find_regions,
     region_report,
 )
-from lightning_regions.diagnosis import real_location
-from lightning_regions.variants import compress_paths, find_variants
+from lightning_regions.core.variants import compress_paths, find_variants
+from lightning_regions.diagnosis.judge import real_location
 
 VOCAB = 64
 DEPTH = 12  # a real depth: 2-layer models hide per-layer recompiles
@@ -355,7 +355,7 @@ def test_the_public_names_are_the_documented_ones_and_every_warning_is_in_one_mo
 
 
 def judged(reasons: tuple[str, ...], graphs: tuple[int, ...]):
-    from lightning_regions.diagnosis import ClassRun, judge_recompiles
+    from lightning_regions.diagnosis.judge import ClassRun, judge_recompiles
 
     paths = tuple(f"layers.{i}" for i in range(len(graphs)))
     run = ClassRun("Block", paths, graphs, eager=0, reasons=reasons, limit_hits=0)

@@ -33,7 +33,7 @@ from lightning_regions import (
     compile_regions,
     region_report,
 )
-from lightning_regions.tracking import (
+from lightning_regions.core.tracking import (
     DYNAMO_GRAPH_BREAKS,
     DYNAMO_RERAISES,
     PASSED_TO_DYNAMO,

@@ -71,7 +71,7 @@ def test_a_round_of_optimizers_is_one_step_of_the_loop():
     garbage, or once another stepped ``STALE_AFTER`` times in a round without it."""
     import gc
 
-    from lightning_regions.fabric import OptimizerRound
+    from lightning_regions.strategies.fabric import OptimizerRound
 
     def sgd() -> torch.optim.Optimizer:
         return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)

@@ -17,8 +17,8 @@ from lightning_regions.cache import (
     sign,
     unpack_artifacts,
 )
-from lightning_regions.tracking import RegionCompileError, RegionCompileWarning
-from lightning_regions.watch import RecompileStormWarning
+from lightning_regions.core.tracking import RegionCompileError, RegionCompileWarning
+from lightning_regions.core.watch import RecompileStormWarning
 
 
 def block_failing_model() -> nn.Module:

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from examples.lightning_gpt import GPTModule
 from examples.tiny_gpt import GPTConfig, TinyGPT
 from lightning_regions import RegionalCompileFSDPStrategy, find_regions
-from lightning_regions.sharding import mixed_precision_policy, shard_by_plan
+from lightning_regions.core.sharding import mixed_precision_policy, shard_by_plan
 
 SCRIPT = Path(__file__).parent / "fsdp_run.py"
 TWO_PROCESS_SCENARIOS = [

@@ -26,7 +26,7 @@ from lightning_regions import (
     RegionNotCompiledWarning,
 )
 from lightning_regions.compat import recompile_limit
-from lightning_regions.kv_cache import EagerGenerate
+from lightning_regions.core.kv_cache import EagerGenerate
 
 PROMPTS = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
 NEW_TOKENS = 6

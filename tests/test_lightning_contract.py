@@ -30,7 +30,7 @@ from lightning_regions import (
     region_report,
 )
 from lightning_regions.cache import cache_dir_option
-from lightning_regions.graph import model_class
+from lightning_regions.core.graph import model_class
 
 
 def fit(

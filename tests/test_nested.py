@@ -36,13 +36,13 @@ from lightning_regions import (
     snapshot,
     warn_per_instance_recompiles,
 )
-from lightning_regions.nested import (
+from lightning_regions.core.nested import (
     NESTED_INDUCTOR_OPTIONS,
     NestedRegionError,
     is_marked,
     mark_nested,
 )
-from lightning_regions.regions import nest_plan
+from lightning_regions.core.regions import nest_plan
 
 DEPTH = 12  # a real depth: reuse that fails per instance shows past torch's 8 entries
 

@@ -31,9 +31,10 @@ from processes import free_port
 from torch import nn
 
 from examples.lightning_gpt import GPTModule
-from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, payoff, region_report
-from lightning_regions.compile import WhileTraining, compile_regions
-from lightning_regions.payoff import (
+from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
+from lightning_regions.core.compile import WhileTraining, compile_regions
+from lightning_regions.gate import gate as payoff
+from lightning_regions.gate.gate import (
     CANDIDATE_SETTLE,
     CUDA_GRAPHS,
     MAX_WINDOWS,
@@ -824,8 +825,8 @@ def test_cuda_graphs_that_inductor_skipped_do_not_count_and_a_faster_candidate_i
 
 
 def test_cuda_graphs_are_a_candidate_only_where_known_to_be_safe():
+    from lightning_regions.gate.gate import cuda_graphs_candidate
     from lightning_regions.options import RegionalOptions
-    from lightning_regions.payoff import cuda_graphs_candidate
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     plain = RegionalOptions()
@@ -855,7 +856,7 @@ def test_region_calls_switch_in_place_and_a_candidate_serves_training_calls_only
     import copy
 
     from lightning_regions import compile_regions
-    from lightning_regions.compile import add_region_calls, use_region_calls
+    from lightning_regions.core.compile import add_region_calls, use_region_calls
 
     graphs: list[tuple[str, bool]] = []  # (which compile, whether grad was on)
 

@@ -33,8 +33,8 @@ from lightning_regions import (
     compat,
     region_report,
 )
-from lightning_regions.kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
-from lightning_regions.watch import parse_guard
+from lightning_regions.core.kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
+from lightning_regions.core.watch import parse_guard
 
 STEPS = 3
 
@@ -266,7 +266,7 @@ def test_recompile_reasons_parse_into_guard_source_and_location():
 
 
 def test_the_int_flag_is_restored_when_the_last_holder_lets_go():
-    from lightning_regions.environment import UnspecializedModuleInts
+    from lightning_regions.strategies.environment import UnspecializedModuleInts
 
     assert not torch._dynamo.config.allow_unspec_int_on_nn_module
     UnspecializedModuleInts.acquire()

@@ -20,7 +20,7 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
 from lightning_regions import compile_regions, end_observation, find_regions, region_report
-from lightning_regions.tracking import OBSERVED_CALLS, ObservedRegion
+from lightning_regions.core.tracking import OBSERVED_CALLS, ObservedRegion
 
 BOTH = pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "in_place"])
 

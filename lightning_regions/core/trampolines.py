@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from .compat import FORWARD, call_forward, call_past_compiled
+from ..compat import FORWARD, call_forward, call_past_compiled
 
 _TRAMPOLINES: dict[tuple[type, int, bool], FunctionType] = {}
 

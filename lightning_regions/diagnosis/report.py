@@ -13,9 +13,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .compat import compile_turned_off, graphs_held, recompile_limit
-from .compile import tracker_of
-from .diagnosis import (
+from ..compat import compile_turned_off, graphs_held, recompile_limit
+from ..core.compile import tracker_of
+from ..core.graph import join
+from ..core.regions import Region, RegionPlan
+from ..core.tracking import RegionStats
+from ..core.variants import ClassVariants, compress_paths, find_variants
+from ..core.watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard, region_codes
+from .judge import (
     ClassRun,
     PerInstanceRecompiles,
     RegionFrames,
@@ -25,11 +30,6 @@ from .diagnosis import (
     judge_recompiles,
     uncontrolled_kv_caches,
 )
-from .graph import join
-from .regions import Region, RegionPlan
-from .tracking import RegionStats
-from .variants import ClassVariants, compress_paths, find_variants
-from .watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard, region_codes
 
 
 class RegionNotCompiledWarning(UserWarning):

@@ -28,11 +28,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 
-from .compat import model_parallel_sizes, set_model_parallel_sizes
-from .options import RegionalOptions, refuse_background_and_nested, takes_options
-from .regions import RegionPlan, find_regions
-from .sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
-from .strategy import RegionalCompileMixin
+from ..compat import model_parallel_sizes, set_model_parallel_sizes
+from ..core.regions import RegionPlan, find_regions
+from ..core.sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
+from ..options import RegionalOptions, refuse_background_and_nested, takes_options
+from .trainer import RegionalCompileMixin
 
 
 class FSDPMeshWarning(UserWarning):

@@ -35,10 +35,10 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from torch import nn
 from typing_extensions import override
 
-from .compat import lightning_wrap_model, set_zero3_leaf, trace_zero3_linear_as_torch_linear
-from .options import refuse_background_and_nested, split_options, takes_options
-from .regions import RegionPlan, find_regions
-from .strategy import RegionalCompileMixin
+from ..compat import lightning_wrap_model, set_zero3_leaf, trace_zero3_linear_as_torch_linear
+from ..core.regions import RegionPlan, find_regions
+from ..options import refuse_background_and_nested, split_options, takes_options
+from .trainer import RegionalCompileMixin
 
 
 class RegionalCompileWrappedMixin(RegionalCompileMixin):

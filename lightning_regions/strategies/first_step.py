@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .compat import recompile_limit
-from .compile import end_observation, tracker_of
-from .diagnosis import judge_limit_fallback
-from .report import (
+from ..compat import recompile_limit
+from ..core.compile import end_observation, tracker_of
+from ..core.variants import compress_paths
+from ..diagnosis.judge import judge_limit_fallback
+from ..diagnosis.report import (
     PerInstanceRecompileWarning,
     RegionGraphBreakWarning,
     RegionNotCompiledWarning,
@@ -26,7 +27,6 @@ from .report import (
     region_report,
     warn_about,
 )
-from .variants import compress_paths
 
 #: What the strategies warn about once, after the first optimizer step.
 WARNED_AT_FIRST_STEP = (

@@ -24,22 +24,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from .background import BackgroundCompile
-from .cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
-from .compat import (
+from ..background.switch import BackgroundCompile
+from ..cache import CHECKPOINT_KEY, CompileCache, artifact_guard, pack_artifacts, unpack_artifacts
+from ..compat import (
     OptimizedModule,
     compile_turned_off,
     compiled_by_torch_compile_context,
     compiled_call,
 )
-from .compile import COMPILED, EAGER, tracker_of, use_region_calls
+from ..core.compile import COMPILED, EAGER, tracker_of, use_region_calls
+from ..core.recipe import CompileRecipe
+from ..core.regions import RegionPlan, find_regions
+from ..diagnosis.report import region_report
+from ..gate.gate import Candidate, CompilePayoff, Decided, cuda_graphs_candidate
+from ..options import RegionalOptions, split_options, takes_options
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
-from .options import RegionalOptions, split_options, takes_options
-from .payoff import Candidate, CompilePayoff, Decided, cuda_graphs_candidate
-from .recipe import CompileRecipe
-from .regions import RegionPlan, find_regions
-from .report import region_report
 
 
 class RegionalCompileBase:

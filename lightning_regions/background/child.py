@@ -1,4 +1,4 @@
-"""The background child: ``python -m lightning_regions.background_child FOLDER PARENT``.
+"""The background child: ``python -m lightning_regions.background.child FOLDER PARENT``.
 
 It works in rounds, one child for the whole run. Round ``k`` reads
 ``FOLDER/shipment-k.pkl`` (written by the training process, in its own private folder),
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import kernel_files_to_ship
-from .compat import inductor_cache_dir, tree_flatten
-from .regions import find_regions
+from ..cache import kernel_files_to_ship
+from ..compat import inductor_cache_dir, tree_flatten
+from ..core.regions import find_regions
 from .shipment import RegionCall, Shipment, materialize, release, unpack
 
 ARTIFACTS = "artifacts.bin"
@@ -187,6 +187,6 @@ def main(folder: str, parent: int) -> int:
 
 if __name__ == "__main__":
     # run as the package's module, so that shipped objects' classes are this module's
-    from lightning_regions.background_child import main as child_main
+    from lightning_regions.background.child import main as child_main
 
     sys.exit(child_main(sys.argv[1], int(sys.argv[2])))

@@ -45,10 +45,10 @@ from lightning.pytorch.strategies import (
     Strategy,
 )
 
+from ..options import takes_options
 from . import fabric
 from .fsdp import RegionalCompileFSDPStrategy
-from .options import takes_options
-from .strategy import (
+from .trainer import (
     RegionalCompileBase,
     RegionalCompileDDPStrategy,
     RegionalCompileMixin,

@@ -36,7 +36,7 @@ from types import CodeType
 
 from torch import nn
 
-from .compat import registered_children
+from ..compat import registered_children
 from .graph import ModuleGraph, model_class, snapshot, unwrap
 
 CONTAINER_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import (
+from ..compat import (
     MODULE_CHILDREN,
     NESTED_BACKWARD_BUFFER_REUSE,
     inductor_mode_options,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .compat import registered_buffers, registered_parameters
+from ..compat import registered_buffers, registered_parameters
 from .graph import iter_registrations, join, model_class
 from .regions import Region, RegionPlan
 

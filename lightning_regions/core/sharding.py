@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .compat import fsdp_param_groups, registered_children, registered_parameters
+from ..compat import fsdp_param_groups, registered_children, registered_parameters
 from .regions import Region, RegionPlan
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import (
+from ..compat import (
     COMPILED_FN_PREFIX,
     DYNAMO_WRAPPER_FRAME,
     LAZY_FORWARD,

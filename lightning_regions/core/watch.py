@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from .compat import dynamo_counters, get_compilation_metrics
+from ..compat import dynamo_counters, get_compilation_metrics
 from .graph import unwrap
 from .regions import RegionPlan
 from .trampolines import existing_trampolines

@@ -15,7 +15,7 @@ from functools import cached_property
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .compat import (
+from ..compat import (
     COMPILED_SOURCE,
     OptimizedModule,
     compiled_source,

@@ -17,8 +17,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .compat import dynamo_config, dynamo_setting_is_default
-from .kv_cache import (
+from ..compat import dynamo_config, dynamo_setting_is_default
+from ..core.kv_cache import (
     disable_kv_cache_unless_asked,
     eager_generation,
     restore_generation,

@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from .compat import (
+from ..compat import (
     COMPILED_CALL,
     FORWARD,
     OptimizedModule,
@@ -27,9 +27,9 @@ from .compat import (
     set_compiled_source,
     set_registered_children,
 )
+from ..options import validate_compile_arguments, validate_granularity, validate_on_compile_error
 from .graph import unwrap
 from .nested import inductor_options_for_nested, mark_nested
-from .options import validate_compile_arguments, validate_granularity, validate_on_compile_error
 from .regions import RegionPlan, Selectors, find_regions, nest_plan
 from .tracking import OBSERVED_CALLS, RegionTracker, drop_gone_graphs, tracking_backend
 from .trampolines import CompiledForward, compiled_forward, needs_trampoline, trampoline

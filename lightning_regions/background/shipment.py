@@ -29,7 +29,7 @@ import cloudpickle
 import torch
 from torch import nn
 
-from .compat import (
+from ..compat import (
     registered_buffers,
     registered_parameters,
     remove_forward_pre_hooks,

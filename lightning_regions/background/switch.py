@@ -14,7 +14,7 @@ in the strategy.
    compiling and calls wait). The regions' structure on ``meta``, the calls and the
    recipe go to a private folder (``shipment.pack``: ``cloudpickle``, so classes of a
    script, a notebook or a function travel by value); ``python -m
-   lightning_regions.background_child`` compiles and replays them there. One child per
+   lightning_regions.background.child`` compiles and replays them there. One child per
    run: calls recorded while it compiles (an epoch's smaller last batch) are its next
    round, not a second process's. A region that cannot be shipped is named once and
    compiles in the training process at the switch; the rest still ship.
@@ -53,7 +53,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .background_child import (
+from ..cache import sign_artifacts, unpack_artifacts
+from ..compat import (
+    IntraOpThreads,
+    cache_counts,
+    inductor_cache_dir,
+    limit_intra_op_threads,
+    restore_intra_op_threads,
+)
+from ..core.recipe import CompileRecipe
+from ..core.regions import RegionPlan
+from .child import (
     ARTIFACTS,
     KERNELS,
     LOG,
@@ -61,16 +71,6 @@ from .background_child import (
     shipment_file,
     write_whole,
 )
-from .cache import sign_artifacts, unpack_artifacts
-from .compat import (
-    IntraOpThreads,
-    cache_counts,
-    inductor_cache_dir,
-    limit_intra_op_threads,
-    restore_intra_op_threads,
-)
-from .recipe import CompileRecipe
-from .regions import RegionPlan
 from .shipment import (
     CallKind,
     RegionCall,
@@ -159,7 +159,7 @@ class Child:
                 [
                     sys.executable,
                     "-m",
-                    "lightning_regions.background_child",
+                    "lightning_regions.background.child",
                     str(where),
                     str(os.getpid()),  # the child watches this process
                 ],

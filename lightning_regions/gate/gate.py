@@ -106,9 +106,9 @@ from typing import Any, Protocol
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from .compat import cudagraph_skips, frames_compiled
-from .compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
-from .options import RegionalOptions
+from ..compat import cudagraph_skips, frames_compiled
+from ..core.compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
+from ..options import RegionalOptions
 
 #: Compiled steps not timed after the first compiled one.
 SETTLE = 2

@@ -29,10 +29,10 @@ from functools import cache
 
 from torch import nn
 
-from .kv_cache import models_without_use_cache
-from .nested import NESTED_TRACED_APART_FIX
-from .variants import ClassVariants, compress_paths
-from .watch import ClassRecompiles, FrameCompile, Guard, parse_guard
+from ..core.kv_cache import models_without_use_cache
+from ..core.nested import NESTED_TRACED_APART_FIX
+from ..core.variants import ClassVariants, compress_paths
+from ..core.watch import ClassRecompiles, FrameCompile, Guard, parse_guard
 
 #: Up to this many instances of one variant compiling graphs of their own is torch
 #: compiling a per-instance number as a constant once and then as a symbolic value:
@@ -372,7 +372,7 @@ def fix_for(
 
 
 def specialize_float() -> bool:
-    from .compat import dynamo_config  # a torch private name, read when a fix is chosen
+    from ..compat import dynamo_config  # a torch private name, read when a fix is chosen
 
     return bool(dynamo_config().specialize_float)
 

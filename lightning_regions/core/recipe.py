@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from .compat import compile_settings, load_compile_settings
+from ..compat import compile_settings, load_compile_settings
+from ..options import RegionalOptions
 from .compile import compile_regions
-from .options import RegionalOptions
 from .regions import RegionPlan
 
 
