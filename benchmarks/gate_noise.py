@@ -34,6 +34,7 @@ from benchmarks.steady_step import OneProcess  # noqa: E402
 from lightning_regions import compile_regions  # noqa: E402
 from lightning_regions.core.compile import COMPILED, use_region_calls  # noqa: E402
 from lightning_regions.gate import gate as payoff  # noqa: E402
+from lightning_regions.gate.clock import StepClock  # noqa: E402
 
 RATIOS = (0.7, 0.9, 0.95, 1.05, 1.1, 1.34)
 EAGER_MS, NOISE = 10.0, 0.04
@@ -52,7 +53,7 @@ def one_run(
     if rng.random() < load_share:
         start = rng.randrange(0, 30)
         load = range(start, start + rng.randint(2, 12))
-    payoff.StepClock._now = lambda self: now[0]  # type: ignore[method-assign]
+    StepClock._now = lambda self: now[0]  # type: ignore[method-assign]
     settled = 1 + payoff.SETTLE
     for step in range(1, 200):
         eager = all(block._compiled_call_impl is None for block in model)
@@ -69,7 +70,7 @@ def one_run(
 def measure(runs: int, seed: int) -> list[dict]:
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
     compile_regions(model, inplace=True, backend="eager")  # its blocks are never run here
-    clock_now, windows = payoff.StepClock._now, payoff.MAX_WINDOWS
+    clock_now, windows = StepClock._now, payoff.MAX_WINDOWS
     first = 1 + payoff.SETTLE + 2 * payoff.WINDOW  # the decision's step after one window
     rows = []
     try:
@@ -92,7 +93,7 @@ def measure(runs: int, seed: int) -> list[dict]:
             )
             print(rows[-1], flush=True)
     finally:
-        payoff.StepClock._now, payoff.MAX_WINDOWS = clock_now, windows  # type: ignore[method-assign]
+        StepClock._now, payoff.MAX_WINDOWS = clock_now, windows  # type: ignore[method-assign]
     return rows
 
 

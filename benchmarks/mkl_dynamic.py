@@ -5,7 +5,7 @@ eager training step.
 The background mode lends its child a core by running training on fewer intra-op threads
 until the switch, then gives them back. ``torch.set_num_threads`` also turns MKL's
 dynamic thread adjustment off for the rest of the process (``mkl_set_dynamic(false)``,
-pytorch#13868); ``compat.limit_intra_op_threads`` sets OpenMP's and MKL's counts for the
+pytorch#13868); ``threads.limit_intra_op_threads`` sets OpenMP's and MKL's counts for the
 calling thread alone and leaves it as it was (``tests/test_background.py`` checks which
 does what). This measures what the flag costs, in one process, so that this VM's drift
 in speed (tens of seconds at a time) lands on both alike: turns of ``--turn`` eager steps
@@ -41,7 +41,7 @@ def in_turns(work: Callable[[], None], turns: int, turn: int) -> dict[str, list[
     """Milliseconds of each call of ``work``, MKL's dynamic adjustment on and off in
     turns of ``turn`` calls (each turn's first call not counted)."""
 
-    from lightning_regions.compat import torch_cpu_library
+    from lightning_regions.background.threads import torch_cpu_library
 
     library = torch_cpu_library()
     assert library is not None  # main() checked for MKL

@@ -5,7 +5,7 @@ A 12-layer Llama-shaped decoder (transformers, from its config, random weights) 
 with ``RegionalCompileStrategy()`` (inductor, the gate on) on batches of 4 random texts
 padded to the longest, each run in its own process with a fresh inductor cache, to the
 gate's decision. From the same timed steps the table gives the gate's figures unscaled
-(the medians as they were before ``payoff.at_one_size``) and scaled to one batch size
+(the medians as they were before ``gate.decision.at_one_size``) and scaled to one batch size
 (what it decides on now), beside runs on texts of one length, whose batches never differ:
 the reference for which way is faster.
 
@@ -48,7 +48,7 @@ def one_run(width: int, low: int, high: int, seed: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_regions import RegionalCompileStrategy
-    from lightning_regions.gate.gate import at_one_size
+    from lightning_regions.gate.decision import at_one_size
 
     class LM(pl.LightningModule):
         def __init__(self) -> None:
@@ -84,8 +84,9 @@ def one_run(width: int, low: int, high: int, seed: int) -> dict:
     quiet_trainer(strategy, steps=STEPS).fit(LM(), loader)
     decision = strategy.payoff.decision
     clock = strategy.payoff.phases[0].clock
-    ms, elements = clock.milliseconds(), clock.batch_elements()
-    ways = [i % 2 for i in range(len(ms))]  # 0: eager's turn
+    records = clock.records()
+    ms, elements = [s.ms for s in records], [s.elements for s in records]
+    ways = [s.way for s in records]  # eager's turn first
     scaled, scaling = at_one_size(ms, elements, ways)
 
     def medians(steps: list[float]) -> dict[str, float]:

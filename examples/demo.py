@@ -55,7 +55,8 @@ def main_job() -> None:
     print(f"ties kept: {ties}")
     verdict = "passed" if check.broken == [] else f"FAILED: {check.broken}"
     print(f"tie check: {verdict}")
-    print(f"compiled or eager, timed on this run's own steps: {report.payoff or 'not decided'}")
+    decided = report.gate_outcome or "not decided"
+    print(f"compiled or eager, timed on this run's own steps: {decided}")
     print(
         f"compile time: {report.compile_seconds:.1f} s in the backend for {report.graphs} "
         "graph(s): the eval graph (compiled during the sanity check) and the train graph"

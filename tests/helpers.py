@@ -19,7 +19,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from examples.lightning_gpt import CharDataModule, GPTModule
-from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy, compat
+from lightning_regions import PerInstanceRecompileWarning, RegionalCompileStrategy
+from lightning_regions.background import threads as intra_op
 from lightning_regions.gate import gate as payoff
 
 # --- one Trainer ------------------------------------------------------------------------
@@ -28,14 +29,14 @@ from lightning_regions.gate import gate as payoff
 @contextlib.contextmanager
 def one_intra_op_thread() -> Iterator[None]:
     """The calling thread's intra-op work (ATen, MKL) on one thread, as the library limits
-    it (``compat.limit_intra_op_threads``): ``torch.set_num_threads`` would also turn
+    it (``intra_op.limit_intra_op_threads``): ``torch.set_num_threads`` would also turn
     MKL's dynamic adjustment off for the worker's later tests, whose small matmuls would
     then wait for a second core beside the other busy worker."""
-    before = compat.limit_intra_op_threads(1)
+    before = intra_op.limit_intra_op_threads(1)
     try:
         yield
     finally:
-        compat.restore_intra_op_threads(before)
+        intra_op.restore_intra_op_threads(before)
 
 
 def trainer(

@@ -21,6 +21,7 @@ import torch
 import torch.nn.modules.module as module_globals
 
 from lightning_regions import compat
+from lightning_regions.background import threads as intra_op
 
 #: The process-wide module hooks ``torch.nn.modules.module`` keeps (``register_module_*``).
 GLOBAL_MODULE_HOOKS = (
@@ -138,7 +139,7 @@ def put_back_threads(threads: int, mkl_dynamic: bool | None) -> None:
     ``torch.__config__.parallel_info()``, in one order of calls), turning the flag off
     again, so a flag put back after it may not stay."""
     if torch.get_num_threads() != threads:
-        compat.limit_intra_op_threads(threads)
+        intra_op.limit_intra_op_threads(threads)
     if mkl_dynamic is not None and mkl_dynamic_adjustment() != mkl_dynamic:
         set_mkl_dynamic_adjustment(mkl_dynamic)
 
@@ -146,4 +147,4 @@ def put_back_threads(threads: int, mkl_dynamic: bool | None) -> None:
 def set_mkl_dynamic_adjustment(on: bool) -> None:
     """Turn MKL's dynamic adjustment on or off (``mkl_set_dynamic``, which torch links
     into libtorch_cpu)."""
-    compat.torch_cpu_library().MKL_Set_Dynamic(ctypes.c_int(int(on)))  # type: ignore[union-attr]
+    intra_op.torch_cpu_library().MKL_Set_Dynamic(ctypes.c_int(int(on)))  # type: ignore[union-attr]

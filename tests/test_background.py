@@ -47,7 +47,7 @@ def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStr
     threads, mkl_dynamic = torch.get_num_threads(), mkl_dynamic_adjustment()
     trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours_model, data())
     # lent and given back without torch.set_num_threads, which turns MKL's dynamic
-    # adjustment off (compat.limit_intra_op_threads)
+    # adjustment off (threads.limit_intra_op_threads)
     assert mkl_dynamic_adjustment() == mkl_dynamic
     trainer(tmp_path, "auto", len(ours_model.losses)).fit(plain_model, data())
     assert ours_model.losses == pytest.approx(plain_model.losses, rel=1e-5)

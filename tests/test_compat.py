@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -148,35 +147,3 @@ def test_the_fabric_wrapper_is_unwrapped():
     assert wrapped is not model
     assert compat.fabric_original_module(wrapped) is model
     assert compat.fabric_original_module(model) is model
-
-
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
-def test_limiting_intra_op_threads_leaves_mkls_dynamic_adjustment_as_it_was():
-    """``torch.set_num_threads`` turns MKL's dynamic thread adjustment off for the rest of
-    the process (a process that never called it keeps it on: the tiny GPT's eager step
-    1.14x faster here, ``benchmarks/mkl_dynamic.py``); ``limit_intra_op_threads`` changes
-    the count alone."""
-    from process_state import mkl_dynamic_adjustment, set_mkl_dynamic_adjustment
-
-    was, threads = mkl_dynamic_adjustment(), torch.get_num_threads()
-    set_mkl_dynamic_adjustment(True)
-    try:
-        before = compat.limit_intra_op_threads(1)
-        assert torch.get_num_threads() == 1 and not before.through_torch
-        compat.restore_intra_op_threads(before)
-        assert torch.get_num_threads() == threads
-        assert mkl_dynamic_adjustment() is True
-    finally:
-        set_mkl_dynamic_adjustment(bool(was))
-    # what the limit avoids, torch's own setter, in a process of its own: after it, ATen
-    # may call it again (it did at ``torch.__config__.parallel_info()`` after the flag was
-    # put back, in one order of calls), so this worker could not be sure to have it back
-    canary = (
-        "import sys, torch; sys.path.insert(0, 'tests')\n"
-        "from process_state import mkl_dynamic_adjustment as on\n"
-        "first = on(); torch.set_num_threads(torch.get_num_threads()); print(first, on())"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", canary], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    assert done.stdout.split()[-2:] == ["True", "False"], done.stdout

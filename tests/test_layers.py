@@ -39,9 +39,15 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     ),
     "the background compile": (
         2,
-        ("background/__init__", "background/shipment", "background/child", "background/switch"),
+        (
+            "background/__init__",
+            "background/threads",
+            "background/shipment",
+            "background/child",
+            "background/switch",
+        ),
     ),
-    "the keep-or-revert gate": (2, ("gate/__init__", "gate/gate")),
+    "the keep-or-revert gate": (2, ("gate/__init__", "gate/clock", "gate/decision", "gate/gate")),
     "Lightning and Fabric glue": (
         3,
         (

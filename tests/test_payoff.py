@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import itertools
 import os
 import pickle
 import statistics
@@ -34,6 +33,8 @@ from examples.lightning_gpt import GPTModule
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
 from lightning_regions.core.compile import WhileTraining, compile_regions
 from lightning_regions.gate import gate as payoff
+from lightning_regions.gate.clock import COLLECTED_IN_STEP, COMPILED_IN_STEP, StepClock, TimedStep
+from lightning_regions.gate.decision import at_one_size, phase_result
 from lightning_regions.gate.gate import (
     CANDIDATE_SETTLE,
     CUDA_GRAPHS,
@@ -42,10 +43,7 @@ from lightning_regions.gate.gate import (
     WINDOW,
     Candidate,
     Phase,
-    StepClock,
-    TimedSteps,
     agreed_over_processes,
-    at_one_size,
     passes_through,
 )
 
@@ -195,7 +193,7 @@ def test_a_batch_size_search_in_the_fit_is_not_timed_for_the_training_after_it(
     decision = strategy.payoff.decision
     assert decision is not None and not decision.kept and decision.scaling is None
     real_batch = 2 * 8 * SMALL["block_size"]  # inputs and targets, 8 x block_size each
-    assert strategy.payoff.phases[0].clock.batch_elements() == [real_batch] * (2 * WINDOW)
+    assert elements_of(strategy.payoff.phases[0].clock) == [real_batch] * (2 * WINDOW)
     assert strategy.payoff.phases[0].windows == 1  # 100x is never within the turns' noise
     assert len(model.losses) == 3 * 3 + STEPS
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
@@ -341,21 +339,36 @@ def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def ms_of(clock: StepClock) -> list[float]:
+    return [step.ms for step in clock.records()]
+
+
+def elements_of(clock: StepClock) -> list[int | None]:
+    return [step.elements for step in clock.records()]
+
+
+def left_out_of(clock: StepClock, reason: str) -> list[bool]:
+    return [step.left_out == reason for step in clock.records()]
+
+
 def test_a_step_is_timed_from_its_first_training_start_to_its_boundary():
     """``StepClock``: a step starts at its first ``training_starts`` after a boundary
-    (gradient accumulation calls it again), else at the boundary itself."""
+    (gradient accumulation calls it again), else at the boundary itself; each ended step
+    is one record, of the way its boundary began."""
     clock = StepClock(torch.device("cpu"))
     clock.training_starts()  # before any boundary: no step to start
-    assert clock.starts == {}
-    clock.mark()
+    assert clock.steps == []
+    clock.mark("eager")
     clock.training_starts()
-    began = clock.starts[0]
+    began = clock.steps[0].start
     clock.training_starts()  # the second micro-batch: the step began at the first
-    assert clock.starts == {0: began}
-    clock.mark()
-    clock.mark()  # a step without a training start: from its boundary
-    first, second = clock.marks[1:]
-    assert clock.milliseconds() == [1000 * (first - began), 1000 * (second - first)]
+    assert clock.steps[0].start == began
+    clock.mark("compiled")
+    clock.mark("eager")  # a step without a training start: from its boundary
+    first, second = (step.boundary for step in clock.steps[1:])
+    assert ms_of(clock) == [1000 * (first - began), 1000 * (second - first)]
+    assert [step.way for step in clock.records()] == ["eager", "compiled"]
+    assert clock.spans() == [(began, first), (first, second)]
 
 
 def test_steps_of_different_batch_sizes_are_compared_at_one_size():
@@ -390,12 +403,12 @@ def test_a_step_records_the_elements_of_its_micro_batches():
     clock.training_starts([torch.zeros(2, 3), "text"])
     clock.mark()
     clock.mark()
-    assert clock.batch_elements() == [12 + 4 + 6, None]
-    assert clock.shapes == {((4, 3), (4,)), ((2, 3),)}
+    assert elements_of(clock) == [12 + 4 + 6, None]
+    assert clock.shapes() == {((4, 3), (4,)), ((2, 3),)}
 
 
 def test_a_step_that_compiled_is_marked_from_its_training_start():
-    """``StepClock.compiled_steps``: a step compiled where the count grew between its
+    """``StepClock.records``: a step is left out as compiled where the count grew between its
     training's start (or its boundary) and the next boundary; a compile before its
     training started (a validation's, between the boundary and the start) is not its."""
     compiles = [0]
@@ -410,13 +423,13 @@ def test_a_step_that_compiled_is_marked_from_its_training_start():
     compiles[0] += 1  # no training start: from the boundary
     clock.mark()
     clock.mark()
-    assert clock.compiled_steps() == [True, False, True, False]
+    assert left_out_of(clock, COMPILED_IN_STEP) == [True, False, True, False]
 
 
 def test_a_step_in_which_python_collected_its_oldest_generation_is_marked():
-    """``StepClock.collected_steps``, on Python's own count (``full_collections``): a
-    ``gc.collect()`` in a step's training marks it; one before its training started (a
-    validation's) does not, and a young generation's collection does not."""
+    """``StepClock.records``: a step is left out as collected, on Python's own count
+    (``full_collections``): a ``gc.collect()`` in a step's training marks it; one before
+    its training started (a validation's) does not, nor a young generation's collection."""
     clock = StepClock(torch.device("cpu"))
     clock.mark()
     clock.training_starts()
@@ -426,40 +439,52 @@ def test_a_step_in_which_python_collected_its_oldest_generation_is_marked():
     clock.training_starts()
     gc.collect(0)
     clock.mark()
-    assert clock.collected_steps() == [True, False]
-    assert clock.compiled_steps() == [False, False]
+    assert left_out_of(clock, COLLECTED_IN_STEP) == [True, False]
+    assert left_out_of(clock, COMPILED_IN_STEP) == [False, False]
+
+
+def steps_of(
+    ms: list[float],
+    phase: Phase,
+    compiled: set[int] = frozenset(),
+    collected: set[int] = frozenset(),
+) -> list[TimedStep]:
+    """Timed steps of ``phase`` that took ``ms`` (the challenger's turn first), those at
+    ``compiled`` left out for compiling, at ``collected`` for a full collection."""
+    reasons = {i: COMPILED_IN_STEP for i in compiled} | {i: COLLECTED_IN_STEP for i in collected}
+    return [TimedStep(phase.way_of(i), t, None, reasons.get(i)) for i, t in enumerate(ms)]
 
 
 def phase_of(ms: list[float], candidate: Candidate | None = None) -> Phase:
-    """A phase whose timed steps took ``ms`` (the challenger's turn first): compiled
-    against eager, or ``candidate`` against compiled; none compiled, one window per
-    ``2 * WINDOW`` steps."""
+    """A phase of ``len(ms) // (2 * WINDOW)`` windows: compiled against eager, or
+    ``candidate`` against compiled."""
     challenger = "eager" if candidate is None else candidate.name
-    clock = StepClock(torch.device("cpu"))
-    phase = Phase("compiled", challenger, SETTLE + 1, candidate, clock=clock)
-    clock.marks = list(itertools.accumulate([0.0, *(t / 1000 for t in ms)]))
-    clock.compiles_at_marks = [0] * len(clock.marks)
+    phase = Phase("compiled", challenger, SETTLE + 1, candidate)
     phase.windows = len(ms) // (2 * WINDOW)
     return phase
 
 
+def agrees(ms: list[float], candidate: Candidate | None = None, compiled=frozenset()) -> bool:
+    phase = phase_of(ms, candidate)
+    return phase.agrees(steps_of(ms, phase, compiled))
+
+
 def test_turns_agree_where_every_pair_in_the_last_window_falls_on_one_side_of_the_edge():
-    """``Phase.agrees``: each pair of turns (the challenger's step, then the incumbent's)
-    says whether the way that must win by ``EDGE`` did (compiled against eager; a
-    candidate against compiled); the window's turns agree where every pair says the same.
-    A pair with a step that compiled is no pair; only the last window's pairs count."""
+    """``Phase.agrees`` (``decision.turns_agree``): each pair of turns (the challenger's
+    step, then the incumbent's) says whether the way that must win by ``EDGE`` did
+    (compiled against eager; a candidate against compiled); the window's turns agree
+    where every pair says the same. A pair with a step that compiled is no pair; only the
+    last window's pairs count."""
     faster, slower = [10.0, 8.0] * WINDOW, [10.0, 12.0] * WINDOW  # eager's turn first
-    assert phase_of(faster).agrees() and phase_of(slower).agrees()
-    assert phase_of([10.0, 9.95] * WINDOW).agrees()  # 0.5% faster in all: never by the edge
+    assert agrees(faster) and agrees(slower)
+    assert agrees([10.0, 9.95] * WINDOW)  # 0.5% faster in all: never by the edge
     one_off = [10.0, 8.0, 10.0, 8.0, 10.0, 12.0, 10.0, 8.0]
-    assert not phase_of(one_off).agrees()
-    recompiled = phase_of(one_off)
-    recompiled.clock.compiles_at_marks[6:] = [1, 1, 1]  # timed step 5 compiled
-    assert recompiled.agrees()
-    assert phase_of(one_off + faster).agrees() and not phase_of(faster + one_off).agrees()
+    assert not agrees(one_off)
+    assert agrees(one_off, compiled={5})  # timed step 5 compiled
+    assert agrees(one_off + faster) and not agrees(faster + one_off)
     candidate = Candidate("graphs", {})  # its turn first; it must win against compiled
-    assert phase_of([8.0, 10.0] * WINDOW, candidate).agrees()
-    assert not phase_of([8.0, 10.0, 12.0, 10.0] * (WINDOW // 2), candidate).agrees()
+    assert agrees([8.0, 10.0] * WINDOW, candidate)
+    assert not agrees([8.0, 10.0, 12.0, 10.0] * (WINDOW // 2), candidate)
 
 
 class OneProcess:
@@ -502,7 +527,7 @@ def test_turns_that_disagree_are_timed_again_and_every_window_counts():
     assert (step, phase.windows, decision.windows, decision.chosen) == (11, 1, 1, "compiled")
     decision, step, phase = gate_on_scripted_steps([8.0, 12.0, 8.0, 8.0] + [8.0] * 4)
     assert (step, phase.windows, decision.chosen) == (11 + 2 * WINDOW, 2, "compiled")
-    assert len(phase.clock.milliseconds()) == 4 * WINDOW
+    assert len(phase.records()) == 4 * WINDOW
     assert decision.compiled_ms == pytest.approx(8.0) and decision.eager_ms == pytest.approx(10)
     assert f"({2 * WINDOW} steps a way: turns that disagreed were timed again)" in str(decision)
     decision, step, phase = gate_on_scripted_steps([12.0, 12.0, 8.0, 12.0] * MAX_WINDOWS)
@@ -544,27 +569,26 @@ def test_every_rank_times_another_window_where_any_rank_s_turns_disagree(tmp_pat
 
 def test_steps_that_compiled_or_collected_are_left_out_unless_a_way_would_have_none():
     """Two of compiled's four timed steps recompiled: counted, compiled's median is
-    eager's 25x; left out, it is its own steps' 0.5x, and the phase says how many were
+    eager's 25x; left out, it is its own steps' 0.5x, and the result says how many were
     left out; one that ran a full garbage collection is left out the same way, and said
     apart. Where every step of one way compiled, all count."""
     ms = [10.0, 5.0, 10.0, 500.0, 10.0, 700.0, 10.0, 5.0]
-    compiled = [i in (3, 5) for i in range(8)]
-    counted = phase_of(ms).medians(TimedSteps([None] * 8, [False] * 8))
-    assert counted == pytest.approx((252.5, 10.0))
     phase = phase_of(ms)
-    assert phase.medians(TimedSteps([None] * 8, compiled)) == pytest.approx((5.0, 10.0))
-    assert phase.uncounted == 2 and phase.notes == ["2 timed steps that compiled not counted"]
-    collected = phase_of(ms)  # one step compiled, one ran a full garbage collection
-    assert collected.medians(TimedSteps([None] * 8, [i == 3 for i in range(8)], compiled)) == (
-        pytest.approx((5.0, 10.0))
-    )
+    counted = phase.result(steps_of(ms, phase))
+    assert (counted.incumbent_ms, counted.challenger_ms) == pytest.approx((252.5, 10.0))
+    left_out = phase.result(steps_of(ms, phase, compiled={3, 5}))
+    assert (left_out.incumbent_ms, left_out.challenger_ms) == pytest.approx((5.0, 10.0))
+    assert left_out.uncounted == 2 and left_out.notes() == [
+        "2 timed steps that compiled not counted"
+    ]
+    collected = phase.result(steps_of(ms, phase, compiled={3}, collected={5}))
+    assert (collected.incumbent_ms, collected.challenger_ms) == pytest.approx((5.0, 10.0))
     assert (collected.uncounted, collected.collected) == (1, 1)
     expected = "1 timed step that compiled and 1 step with a full garbage collection not counted"
-    assert collected.notes == [expected]
-    every = phase_of(ms)
-    all_compiled = TimedSteps([None] * 8, [i % 2 == 1 for i in range(8)])
-    assert every.medians(all_compiled) == pytest.approx((252.5, 10.0))
-    assert every.uncounted == 0 and every.notes == []
+    assert collected.notes() == [expected]
+    every = phase_result(steps_of(ms, phase, compiled={1, 3, 5, 7}), "compiled", "eager")
+    assert (every.incumbent_ms, every.challenger_ms) == pytest.approx((252.5, 10.0))
+    assert every.uncounted == 0 and every.notes() == []
 
 
 class TwoGlooProcesses:
@@ -574,12 +598,35 @@ class TwoGlooProcesses:
     root_device = torch.device("cpu")
 
 
+def timed(elements: list, compiled: list[bool], collected: list[bool]) -> list[TimedStep]:
+    """A phase's timed steps on one rank: their elements, and which compiled or
+    collected (a compile is said first); each step's milliseconds are its index."""
+    reasons = [
+        COMPILED_IN_STEP if c else COLLECTED_IN_STEP if g else None
+        for c, g in zip(compiled, collected, strict=True)
+    ]
+    ways = ["eager", "compiled"] * (len(elements) // 2)
+    return [
+        TimedStep(w, float(i), n, r)
+        for i, (w, n, r) in enumerate(zip(ways, elements, reasons, strict=True))
+    ]
+
+
 def agreed_on_rank(rank: int, port: int, phases_by_rank: list, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         agreed = agreed_over_processes(phases_by_rank[rank], TwoGlooProcesses())
-        steps = [(t.elements, t.compiled, t.collected) for t in agreed]
+        own = [[(s.way, s.ms) for s in steps] for steps in phases_by_rank[rank]]
+        assert [[(s.way, s.ms) for s in steps] for steps in agreed] == own  # its own times
+        steps = [
+            (
+                [s.elements for s in steps],
+                [s.left_out == COMPILED_IN_STEP for s in steps],
+                [s.left_out == COLLECTED_IN_STEP for s in steps],
+            )
+            for steps in agreed
+        ]
         torch.save(steps, os.path.join(out, f"{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -598,16 +645,16 @@ def test_every_rank_scales_by_the_largest_batch_and_leaves_out_any_rank_s_compil
     longest = 2 * WINDOW * MAX_WINDOWS
     at_3, at_4 = [i == 3 for i in range(width)], [i == 4 for i in range(width)]
     rank0 = [
-        TimedSteps([10, 40] * WINDOW, at_1, at_3),
-        TimedSteps([5] * width, no, no),
-        TimedSteps([], []),
-        TimedSteps([3] * longest, [False] * (longest - 1) + [True], [False] * longest),
+        timed([10, 40] * WINDOW, at_1, at_3),
+        timed([5] * width, no, no),
+        timed([], [], []),
+        timed([3] * longest, [False] * (longest - 1) + [True], [False] * longest),
     ]
     rank1 = [
-        TimedSteps([30, 20] * WINDOW, at_6, at_4),
-        TimedSteps([5] * (width - 1) + [None], no, at_1),
-        TimedSteps([], []),
-        TimedSteps([4] * longest, [False] * longest, [False] * longest),
+        timed([30, 20] * WINDOW, at_6, at_4),
+        timed([5] * (width - 1) + [None], no, at_1),
+        timed([], [], []),
+        timed([4] * longest, [False] * longest, [False] * longest),
     ]
     args = (free_port(), [rank0, rank1], str(tmp_path))
     torch.multiprocessing.spawn(agreed_on_rank, args=args, nprocs=2)
@@ -656,7 +703,8 @@ def assert_no_timed_step_holds_a_validation(payoff, validations) -> None:
     assert decision is not None, "no decision"
     assert len(validations) >= STEPS // 2 - 1, validations
     clock = payoff.phases[0].clock
-    assert sorted(clock.starts) == list(range(len(clock.marks) - 1)), clock.starts
+    started = [step.start is not None for step in clock.steps[:-1]]
+    assert started == [True] * (clock.marks - 1), started
     for phase in payoff.phases:
         holding = [
             (i, round(1000 * (end - begin), 1))
@@ -712,7 +760,7 @@ def test_a_fabric_validation_between_steps_is_not_in_the_timed_steps():
                     torch.testing.assert_close(copied(idx), model.module(idx))
     assert_no_timed_step_holds_a_validation(strategy.payoff, validations)
     timed = 2 * WINDOW * strategy.payoff.phases[0].windows
-    assert strategy.payoff.phases[0].clock.batch_elements() == [idx.numel()] * timed
+    assert elements_of(strategy.payoff.phases[0].clock) == [idx.numel()] * timed
     assert not model.module._forward_pre_hooks
 
 
@@ -794,10 +842,10 @@ def test_batches_of_varying_size_are_compared_at_one_size_and_cuda_graphs_not_tr
     trainer(tmp_path, "auto", DECIDED_AFTER + 2).fit(plain, loader)
     decision = strategy.payoff.decision
     clock = strategy.payoff.phases[0].clock
-    raw = clock.milliseconds()
+    raw = ms_of(clock)
     assert decision is not None and decision.chosen == "eager", (decision, raw)
     timed_rows = ROWS[1 + SETTLE : DECIDED_AFTER]
-    assert clock.batch_elements() == [6 * n for n in timed_rows]
+    assert elements_of(clock) == [6 * n for n in timed_rows]
     assert statistics.median(raw[1::2]) < statistics.median(raw[0::2]), raw  # raw: compiled
     assert decision.scaling is not None and decision.scaling.reference == 6 * 12
     (skipped,) = decision.candidates
@@ -980,8 +1028,10 @@ def test_timed_steps_that_recompiled_are_left_out_and_a_faster_compile_is_kept(t
     trainer(tmp_path, "auto", STEPS).fit(plain, batches)
     decision = strategy.payoff.decision
     clock = strategy.payoff.phases[0].clock
-    raw = clock.milliseconds()[: 2 * WINDOW]  # the first window (the only one, unless loaded)
-    assert clock.compiled_steps()[: 2 * WINDOW] == [i in (1, 3) for i in range(2 * WINDOW)], raw
+    raw = ms_of(clock)[: 2 * WINDOW]  # the first window (the only one, unless loaded)
+    assert left_out_of(clock, COMPILED_IN_STEP)[: 2 * WINDOW] == [
+        i in (1, 3) for i in range(2 * WINDOW)
+    ], raw
     assert statistics.median(raw[1::2]) > statistics.median(raw[0::2]), raw  # counted: eager
     assert decision is not None and decision.kept and decision.uncounted == 2, (decision, raw)
     assert "a step (2 timed steps that compiled not counted" in str(decision)  # (; a window more)
@@ -1032,8 +1082,8 @@ def test_timed_steps_with_a_full_garbage_collection_are_left_out_and_a_faster_co
     trainer(tmp_path, "auto", STEPS).fit(plain, batches)
     decision = strategy.payoff.decision
     clock = strategy.payoff.phases[0].clock
-    raw = clock.milliseconds()[: 2 * WINDOW]  # the first window (the only one, unless loaded)
-    collected = clock.collected_steps()[: 2 * WINDOW]
+    raw = ms_of(clock)[: 2 * WINDOW]  # the first window (the only one, unless loaded)
+    collected = left_out_of(clock, COLLECTED_IN_STEP)[: 2 * WINDOW]
     assert [collected[i] for i in (3, 5, 7)] == [True] * 3, (collected, raw)
     assert statistics.median(raw[1::2]) > statistics.median(raw[0::2]), raw  # counted: eager
     assert decision is not None and decision.kept and decision.collected >= 3, (decision, raw)
@@ -1124,7 +1174,7 @@ def blocks_of(module: nn.Module) -> list[nn.Module]:
 def assert_each_timed_step_is_a_whole_gan_step(payoff) -> None:
     """The decision came, and every timed step holds a discriminator step's pause."""
     assert payoff.decision is not None, "no decision"
-    steps = payoff.phases[0].clock.milliseconds()
+    steps = ms_of(payoff.phases[0].clock)
     assert min(steps) >= 1000 * DISCRIMINATOR_PAUSE_S, (payoff.decision, steps)
 
 

@@ -54,13 +54,7 @@ import torch
 from torch import nn
 
 from ..cache import sign_artifacts, unpack_artifacts
-from ..compat import (
-    IntraOpThreads,
-    cache_counts,
-    inductor_cache_dir,
-    limit_intra_op_threads,
-    restore_intra_op_threads,
-)
+from ..compat import cache_counts, inductor_cache_dir
 from ..core.recipe import CompileRecipe
 from ..core.regions import RegionPlan
 from .child import (
@@ -81,6 +75,7 @@ from .shipment import (
     pack,
     shippable_copies,
 )
+from .threads import IntraOpThreads, limit_intra_op_threads, restore_intra_op_threads
 
 #: Calls recorded per region and kind of call: the first, and the first whose arguments
 #: metadata differ from it (dynamo compiles a static graph, then on a change of shape, a
@@ -427,7 +422,7 @@ class BackgroundCompile:
         child on one node would take its cores too (``multi_node.md``). The child's
         parallel work runs on the other half (``lent_threads``). Not through
         ``torch.set_num_threads``, which would leave MKL's dynamic thread adjustment off
-        and the steps after the switch slower (``compat.limit_intra_op_threads``)."""
+        and the steps after the switch slower (``threads.limit_intra_op_threads``)."""
         if self._threads_lent is None:
             self._threads_lent = limit_intra_op_threads(kept_threads(torch.get_num_threads()))
 

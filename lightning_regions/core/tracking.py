@@ -421,8 +421,9 @@ class RegionTracker:
     observe_calls: int | None = OBSERVED_CALLS
     observers: list[ObservedRegion] = field(default_factory=list)
     frames: FrameLog = field(default_factory=FrameLog)
-    #: Whether compiling paid on this run's steps, once decided (``payoff.CompilePayoff``).
-    payoff: str = ""
+    #: The keep-or-revert gate's outcome for these regions: the gate's own object (its
+    #: decision, or why there is none), set by the gate alone; its ``str`` is the line.
+    gate_outcome: object | None = None
     #: Graphs of models no longer alive dropped before compiling (``drop_gone_graphs``).
     dropped: tuple[str, ...] = ()
 

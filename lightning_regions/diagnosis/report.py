@@ -109,7 +109,8 @@ class RegionReport:
     variants: tuple[ClassVariants, ...] = ()  # classes of more than one variant
     breaks: tuple[RegionGraphBreaks, ...] = ()  # classes whose calls ran in pieces
     ddp_split: tuple[DDPSplit, ...] = ()  # classes whose graph DDP's optimizer split
-    payoff: str = ""  # compiled against eager on this run's steps, once decided
+    #: The keep-or-revert gate's outcome (``RegionTracker.gate_outcome``), once it has one.
+    gate_outcome: object | None = None
     #: Graphs of models no longer alive dropped before compiling (``drop_gone_graphs``).
     dropped: tuple[str, ...] = ()
     #: Region classes that ran eager because their code already held torch's
@@ -206,8 +207,8 @@ class RegionReport:
             lines.append(f"  GRAPH BREAKS in {split}")
         for pieces in self.ddp_split:
             lines.append(f"  compiled in pieces: {pieces}")
-        if self.payoff:
-            lines.append(f"  on this run's steps: {self.payoff}")
+        if self.gate_outcome is not None:
+            lines.append(f"  on this run's steps: {self.gate_outcome}")
         if self.compile_off:
             lines.append(
                 f"  torch.compile is turned off in this process ({self.compile_off}): "
@@ -291,7 +292,7 @@ def region_report(model: nn.Module) -> RegionReport:
             [RegionFrames(r.class_name, r.paths[0], r.graphs_per_call, r.frames) for r in regional]
         ),
         ddp_split=ddp_splits(regional),
-        payoff=tracker.payoff,
+        gate_outcome=tracker.gate_outcome,
         dropped=tracker.dropped,
         limit_filled_before=filled,
         compile_off=compile_off,

@@ -32,11 +32,11 @@ from ..compat import (
     compiled_by_torch_compile_context,
     compiled_call,
 )
-from ..core.compile import COMPILED, EAGER, tracker_of, use_region_calls
+from ..core.compile import COMPILED, EAGER, tracker_of
 from ..core.recipe import CompileRecipe
 from ..core.regions import RegionPlan, find_regions
 from ..diagnosis.report import region_report
-from ..gate.gate import Candidate, CompilePayoff, Decided, cuda_graphs_candidate
+from ..gate.gate import Candidate, CompilePayoff, Decided, cuda_graphs_candidate, follow
 from ..options import RegionalOptions, split_options, takes_options
 from .environment import CompileEnvironment
 from .first_step import FirstStepReporter
@@ -208,14 +208,9 @@ class RegionalCompileBase:
         # test and predict after it run the regions as its decision chose
         earlier = None if self.trains_here() else self.decided.get(module)
         if earlier is not None and earlier.chosen in (COMPILED, EAGER):
+            rank_zero_info(f"regional compile, {follow(module, earlier)}")
             if earlier.chosen == EAGER:
-                use_region_calls(module, EAGER)
                 self.reporter.runs_eager(module)
-            said = f"as decided on an earlier fit here: {earlier}"
-            tracker = tracker_of(module)
-            if tracker is not None:  # the region report says it too
-                tracker.payoff = said
-            rank_zero_info(f"regional compile, {said}")
             return
         # nothing to time where torch.compile is turned off: the report says why
         pays = self.options.keep_if_faster and self.trains_here() and not compile_turned_off()
