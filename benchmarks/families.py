@@ -355,7 +355,7 @@ def child(spec: str, steps: int = STEPS) -> dict[str, Any]:
         "warning_texts": warned,
         "seconds": round(seconds, 1),
         "steps": steps,
-        # decided from step 12 (payoff.py); "" before
+        # decided from step 12 (lightning_regions/gate/gate.py); "" before
         "gate": str(strategy.payoff.decision or "") if strategy.payoff else "",
     }
 

@@ -112,7 +112,7 @@ class SlowAotEager:
 
 
 #: The optimizer step whose end brings the keep-or-revert decision at the latest (every
-#: window timed; payoff.py: ``MAX_WINDOWS``), and the same with one candidate (CUDA
+#: window timed; gate/gate.py: ``MAX_WINDOWS``), and the same with one candidate (CUDA
 #: graphs) timed after it.
 GATE_DECIDED_BY = 1 + payoff.SETTLE + 2 * payoff.WINDOW * payoff.MAX_WINDOWS
 GATE_DECIDED_BY_WITH_A_CANDIDATE = (

@@ -1,4 +1,4 @@
-"""Compile that pays, or steps aside (``keep_if_faster``, ``payoff.py``): the strategy
+"""Compile that pays, or steps aside (``keep_if_faster``, ``gate/``): the strategy
 times the run's own steps compiled, then eager, and keeps the faster; a revert keeps
 training as eager would, with the tie, the parameters, the optimizer and the keys."""
 

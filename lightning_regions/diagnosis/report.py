@@ -3,7 +3,7 @@
 ``region_report(model)`` reads the tracker that ``compile_regions`` left on the model
 and returns plain data that tests and benchmarks use; ``str()`` of it is the table the
 strategy logs. It assembles and formats only: every judgement (what is wrong, what is
-bounded, what fixes it) is ``diagnosis.py``'s.
+bounded, what fixes it) is ``judge.py``'s.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
 
 from ..compat import model_parallel_sizes, set_model_parallel_sizes
-from ..core.regions import RegionPlan, find_regions
+from ..core.regions import RegionPlan
 from ..core.sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
 from ..options import RegionalOptions, refuse_background_and_nested, takes_options
 from .trainer import RegionalCompileMixin
@@ -132,18 +133,19 @@ class RegionalCompileFSDPStrategy(RegionalCompileMixin, ModelParallelStrategy):
 
     def model_to_device(self) -> None:
         if not self.shards_by_plan:
-            self._warn_if_batches_repeat()
-            super().model_to_device()  # the user sharded; compile after device placement
-            return
-        ModelParallelStrategy.model_to_device(self)
-        module = self.set_up_module()
-        plan = find_regions(module, self.options.regions, root_is_called=False)  # one plan for both
-        if self.compile_before_shard:
-            self.compile_in_place(module, root_is_called=False, plan=plan)
+            self._warn_if_batches_repeat()  # the user sharded; compile after device placement
+        super().model_to_device()
+
+    @override
+    def before_compile(self, plan: RegionPlan) -> None:
+        """Shard by the plan the regions compile by (one plan for both)."""
+        if self.shards_by_plan and not self.compile_before_shard:
             self._shard(plan)
-        else:
+
+    @override
+    def after_compile(self, plan: RegionPlan) -> None:
+        if self.shards_by_plan and self.compile_before_shard:
             self._shard(plan)
-            self.compile_in_place(module, root_is_called=False, plan=plan)
 
     def _warn_if_batches_repeat(self) -> None:
         """Warn once when the user's FSDP2 groups shard over more processes than the

@@ -140,17 +140,20 @@ class RegionalCompileBase:
         compile can switch (the Trainer's ``fit``; Fabric's loop always may)."""
         return True
 
-    def compile_in_place(
-        self, module: Any, root_is_called: bool, plan: RegionPlan | None = None
-    ) -> None:
-        """Compile ``module``'s regions in place (by ``plan`` when given) and log them;
-        with ``compile_in_background`` in a setup that trains, start the background
-        compile instead (``background.BackgroundCompile``)."""
+    def compile_in_place(self, module: Any, root_is_called: bool) -> None:
+        """The one compile point of every regional strategy: plan ``module``'s regions,
+        let the engine prepare them (``before_compile``), compile them in place and log
+        them, then let the engine finish (``after_compile``); with
+        ``compile_in_background`` in a setup that trains, start the background compile
+        instead (``background.BackgroundCompile``), which compiles by the same plan at
+        its switch."""
         _refuse_whole_model_compile(module)
         self._set_up = True
         self.compile_cache.enter()
         self.environment.enter(module)
         recipe = CompileRecipe(self.options, self.eager_hooks)  # after the environment's flags
+        plan = find_regions(module, self.options.regions, root_is_called=root_is_called)
+        self.before_compile(plan)
         if self.background is not None:
             self.background.stop()
             self.background = None
@@ -160,7 +163,6 @@ class RegionalCompileBase:
                 "this run has none (validate, test or predict): the regions compile now"
             )
         elif self.options.compile_in_background and tracker_of(module) is None:
-            plan = plan or find_regions(module, self.options.regions, root_is_called=root_is_called)
             self.background = BackgroundCompile(
                 plan, recipe, self.options.background_timeout_s, self.artifact_guard()
             )
@@ -171,6 +173,19 @@ class RegionalCompileBase:
             )
             return
         self._compile_now(module, root_is_called, plan, recipe)
+        self.after_compile(plan)
+
+    def before_compile(self, plan: RegionPlan) -> None:
+        """What the engine does to the planned regions before they compile (none here;
+        FSDP2 shards by the plan, DeepSpeed makes each region a ZeRO-3 leaf)."""
+
+    def after_compile(self, plan: RegionPlan) -> None:
+        """What the engine does to the regions once they are compiled in place (none
+        here; FSDP2 shards then where it compiles before sharding)."""
+
+    #: Whether the regions compile in ``model_to_device`` (else in a hook of the
+    #: engine's own, before it wraps the model: FSDP1's and DeepSpeed's).
+    compiles_in_model_to_device = True
 
     def at_step_boundary(self, *modules: Any, phase: str = "training") -> None:
         """After a step's optimizer steps: until the background switch, its step boundary
@@ -198,7 +213,7 @@ class RegionalCompileBase:
                 self.decided.record(modules, decision)
 
     def _compile_now(
-        self, module: Any, root_is_called: bool, plan: RegionPlan | None, recipe: CompileRecipe
+        self, module: Any, root_is_called: bool, plan: RegionPlan, recipe: CompileRecipe
     ) -> None:
         recipe.compile(module, plan, root_is_called)
         rank_zero_info(f"{region_report(module)}")
@@ -324,7 +339,8 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     def model_to_device(self) -> None:
         # abstract in Strategy: the Lightning strategy mixed in after this one defines it
         super().model_to_device()  # type: ignore[safe-super]
-        self.compile_in_place(self.lightning_module, root_is_called=False)  # training_step
+        if self.compiles_in_model_to_device:
+            self.compile_in_place(self.lightning_module, root_is_called=False)  # training_step
 
     #: Manual optimization: whether an optimizer stepped in the training step running.
     _stepped_in_training_step = False

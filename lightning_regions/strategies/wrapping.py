@@ -36,7 +36,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..compat import lightning_wrap_model, set_zero3_leaf, trace_zero3_linear_as_torch_linear
-from ..core.regions import RegionPlan, find_regions
+from ..core.regions import RegionPlan
 from ..options import refuse_background_and_nested, split_options, takes_options
 from .trainer import RegionalCompileMixin
 
@@ -60,22 +60,14 @@ class RegionalCompileWrappedMixin(RegionalCompileMixin):
         )
         super().__init__(**kwargs)
 
-    @override
-    def model_to_device(self) -> None:
-        # skip RegionalCompileMixin's compile: the wrap hook compiles
-        super(RegionalCompileMixin, self).model_to_device()  # type: ignore[safe-super]
+    #: The wrap hook compiles, just before the engine's wrapper (``_setup_model``).
+    compiles_in_model_to_device = False
 
     def _setup_model(self, model: nn.Module) -> Any:
-        """Lightning's wrap hook: plan the regions, prepare them for the engine, compile
-        them in place, then let the engine wrap."""
-        module = self.set_up_module()
-        plan = find_regions(module, self.options.regions, root_is_called=False)  # training_step
-        self.prepare_regions(plan)
-        self.compile_in_place(module, root_is_called=False, plan=plan)
+        """Lightning's wrap hook: compile the regions in place (planned and prepared for
+        the engine there: ``before_compile``), then let the engine wrap."""
+        self.compile_in_place(self.set_up_module(), root_is_called=False)  # training_step
         return lightning_wrap_model(super(), model)
-
-    def prepare_regions(self, plan: RegionPlan) -> None:
-        """What the engine needs done to the planned regions before they compile."""
 
 
 def make_zero3_leaves(plan: RegionPlan) -> None:
@@ -171,7 +163,7 @@ class RegionalCompileDeepSpeedStrategy(RegionalCompileWrappedMixin, DeepSpeedStr
     )
 
     @override
-    def prepare_regions(self, plan: RegionPlan) -> None:
+    def before_compile(self, plan: RegionPlan) -> None:
         # under every stage: ZeRO-3's F.linear replacement outlives its engine, for the
         # whole process (compat.trace_zero3_linear_as_torch_linear)
         trace_zero3_linear_as_torch_linear()
