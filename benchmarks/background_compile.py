@@ -208,7 +208,7 @@ def train(
     if background is not None:
         record["steps_eager"] = background.steps_eager
         record["switched"] = background.switched
-        record["children"] = len(background.pids)
+        record["children"] = len(background.children)
         record["child_seconds"] = background.child_seconds
     from lightning_regions.compat import cache_counts
 

@@ -339,7 +339,7 @@ def lightning_run(net: Any, ids: Any, way: str, device: str) -> dict:
         figures["decision"] = str(payoff.decision)
     background = getattr(strategy, "background", None)
     if background is not None:
-        figures["children"] = len(background.pids)
+        figures["children"] = len(background.children)
         figures["switch_step"] = background.steps_eager + 1 if background.switched else None
     return figures
 

@@ -15,7 +15,7 @@ Per way: the bytes saved for backward in one steady step (distinct storages that
 parameters: the activations), the parameters' distinct storages and bytes (a copy of a
 parameter would add one), whether the tied head is still the embedding's storage, and the
 process's peak resident memory (``VmHWM``). Then the background child's own peak
-(``BackgroundCompile.child_peak_rss_mb``) at width 1024 for two depths, against one
+(``Child.peak_rss_mb``) at width 1024 for two depths, against one
 block's weights.
 
     python benchmarks/memory.py [--ways ...] [--child-depths 2 6] [--child-width 1024]
@@ -139,7 +139,9 @@ def measure_way(way: str) -> dict[str, Any]:
     }
     background = getattr(trainer.strategy, "background", None)
     if background is not None:
-        result["child_peak_rss_mb"] = background.child_peak_rss_mb
+        result["child_peak_rss_mb"] = max(
+            (c.peak_rss_mb or 0.0 for c in background.children), default=None
+        )
         result["switched"] = background.switched
     return result
 
@@ -174,9 +176,9 @@ def measure_child(depth: int, width: int) -> dict[str, Any]:
         "depth": depth,
         "width": width,
         "block_mb": block_mb,
-        "child_peak_rss_mb": background.child_peak_rss_mb,
-        "children": len(background.pids),
-        "rounds": background.rounds,
+        "child_peak_rss_mb": max((c.peak_rss_mb or 0.0 for c in background.children), default=None),
+        "children": len(background.children),
+        "rounds": sum(child.round for child in background.children),
         "training_peak_rss_mb": peak_rss_mb(),
     }
 
@@ -198,7 +200,8 @@ def ship_calls(depth: int, width: int, path: Path) -> None:
         vocab_size=data.vocab_size, block_size=64, n_layer=depth, n_head=8, n_embd=width
     )
     plan = find_regions(module.model)
-    background = BackgroundCompile(plan, CompileRecipe(RegionalOptions()), 600, {})
+    recipe = CompileRecipe(RegionalOptions())
+    background = BackgroundCompile(module.model, True, plan, recipe, 600, {})
     module.model(torch.randint(0, data.vocab_size, (4, 64)))  # the recorders see each call
     shipment = background.shipment()
     assert shipment is not None

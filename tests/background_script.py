@@ -113,7 +113,7 @@ def train_both(block: type[nn.Module], root: str) -> dict:
         "steps_eager": strategy.background.steps_eager,
         "counts": wait.counts,
         "pids": wait.pids,
-        "rounds": strategy.background.rounds,
+        "rounds": sum(child.round for child in strategy.background.children),
         "running": [pid for pid in wait.pids if is_running(pid)],
         "warnings": sorted({f"{w.category.__module__}.{w.category.__name__}" for w in caught}),
         "messages": [str(w.message)[:300] for w in caught if "Background" in str(w.category)],

@@ -61,7 +61,7 @@ def main(mode: str, out: Path) -> None:
         payload["steps_eager"] = background.steps_eager
         payload["switched"] = background.switched and not background.failure
         payload["child_left"] = background.process is not None
-        payload["children"] = len(background.pids)
+        payload["children"] = len(background.children)
         payload["threads"] = waiting[0].threads
     if mode == "payoff":
         decision = trainer.strategy.payoff.decision

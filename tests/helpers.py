@@ -185,7 +185,7 @@ class WaitForTheSwitch(pl.Callback):
         background = trainer.strategy.background
         if background is None:
             return
-        self.pids = list(dict.fromkeys([*self.pids, *background.pids]))
+        self.pids = list(dict.fromkeys([*self.pids, *(child.pid for child in background.children)]))
         when = "after" if background.switched else "before the switch"
         self.threads[when].add(torch.get_num_threads())
         if not background.switched:

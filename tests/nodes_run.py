@@ -208,7 +208,7 @@ def scenario(name: str, out: Path, devices: int) -> dict[str, Any]:
         os.environ.pop("LIGHTNING_REGIONS_ARTIFACT_KEY", None)
         background = trainer.strategy.background
         seen |= {
-            "children": len(background.pids),
+            "children": len(background.children),
             "running": [pid for pid in wait.pids if is_running(pid)],
             "steps_eager": background.steps_eager,
             "counts": wait.counts,

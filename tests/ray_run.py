@@ -99,7 +99,7 @@ def train_one(mode: str, out: Path) -> None:
     if background is not None:
         payload["switched"] = background.switched and not background.failure
         payload["switch_step"] = waiting[0].switch_step
-        payload["children"] = list(background.pids)
+        payload["children"] = [child.pid for child in background.children]
     if hasattr(trainer.strategy, "reporter"):
         from lightning_regions import region_report
 

@@ -54,7 +54,9 @@ class KillAfterCheckpoint(pl.Callback):
             return
         background = getattr(trainer.strategy, "background", None)
         killed = {
-            "children": list(background.pids) if background is not None else [],
+            "children": [child.pid for child in background.children]
+            if background is not None
+            else [],
             "switched": background is not None and background.switched,
             "global_rank": trainer.global_rank,
         }
@@ -97,7 +99,7 @@ def main(out: Path, mode: str) -> None:
         "counts": counts,
         "global_step": fitted.global_step,
         "compiled": model.model.blocks[0]._compiled_call_impl is not None,
-        "children": list(background.pids) if background is not None else [],
+        "children": [child.pid for child in background.children] if background is not None else [],
         "restart_count": attempt,
         "global_rank": fitted.global_rank,  # c10d ranks go in join order: a restart may swap them
     }

@@ -58,7 +58,7 @@ def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStr
     # the child: its parallel work on the threads lent, its kernels made for all of the
     # training process's threads (inductor's cache key holds the count)
     assert wait.child_environment["OMP_THREAD_LIMIT"] == str(lent_threads(threads))
-    assert strategy.background.child_threads == threads
+    assert strategy.background.children[-1].threads == threads
     assert strategy.background.process is None
     return strategy
 
@@ -74,7 +74,7 @@ def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
     strategy = fit_both(tmp_path, ours, plain)
     background = strategy.background
     assert background.switched and not background.failure and background.child_seconds
-    assert background.child_peak_rss_mb and background.child_peak_rss_mb > 0
+    assert (background.children[-1].peak_rss_mb or 0) > 0
     assert 1 <= background.steps_eager == len(ours.losses) - 3
     report = region_report(ours)
     assert not report.ran_eager and all(row.compiled_calls for row in report.rows)
@@ -102,7 +102,7 @@ def test_the_child_compiles_for_the_training_processs_own_thread_count(tmp_path)
     would take one per core: the child compiles for one."""
     with one_intra_op_thread():  # not torch.set_num_threads: its MKL flag would stay off
         strategy = fit_both(tmp_path, *twins())
-    assert strategy.background.child_threads == 1 and strategy.background.switched
+    assert strategy.background.children[-1].threads == 1 and strategy.background.switched
 
 
 def test_the_child_reports_its_own_peak_memory_not_its_parents():
@@ -168,7 +168,7 @@ def test_a_region_that_cannot_be_shipped_warns_once_and_compiles_in_process(tmp_
     trainer(tmp_path, "auto", 6).fit(plain, vectors())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
     assert strategy.background.steps_eager == 1  # switched at the first step boundary
-    assert strategy.background.pids == []  # nothing to ship: no child
+    assert strategy.background.children == []  # nothing to ship: no child
     assert not region_report(ours).ran_eager
 
 
@@ -306,7 +306,9 @@ def test_a_smaller_last_batch_before_the_switch_is_the_same_childs_next_round(tm
     background = strategy.background
     assert background.switched and background.steps_eager > 3  # the last batch came before
     assert {signature for *_, signature in background.shipped} == {1, 2}
-    assert len(wait.pids) == 1 and background.rounds == 2  # both shapes, one child
+    assert (
+        len(wait.pids) == 1 and sum(child.round for child in background.children) == 2
+    )  # both shapes, one child
     assert not any(map(is_running, wait.pids))
     trainer(tmp_path, "auto", len(ours.losses), max_epochs=-1).fit(plain, epochs())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
@@ -321,7 +323,9 @@ def test_a_validation_after_the_first_step_ships_its_calls_too(tmp_path):
     background = strategy.background
     kinds = {str(kind) for _, kind, _ in background.shipped}
     assert kinds == {"training", "evaluation"} and background.switched
-    assert len(wait.pids) == 1 and background.rounds >= 2  # evaluation: the child's next round
+    assert (
+        len(wait.pids) == 1 and sum(child.round for child in background.children) >= 2
+    )  # evaluation: the child's next round
     trainer(tmp_path, "auto", len(ours.losses), **options).fit(plain, data())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
 
@@ -368,12 +372,12 @@ def test_what_ships_is_structure_and_call_metadata_never_weights():
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4))
     plan = find_regions(blocks)
     recipe = CompileRecipe(RegionalOptions(backend="aot_eager"))
-    background = BackgroundCompile(plan, recipe, timeout_s=60, artifact_guard={})
+    background = BackgroundCompile(blocks, True, plan, recipe, timeout_s=60, artifact_guard={})
     try:
         x = torch.randn(2, width)
         for block in blocks:
             x = block(x)  # the recorders see each region's training call
-        assert not background.at_step_boundary(OneProcess(), compile_now=lambda: None)
+        assert not background.at_step_boundary(OneProcess())
         shipped = shipment_file(background.child.where, 1).read_bytes()
     finally:
         background.stop()

@@ -45,7 +45,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -139,6 +138,12 @@ class Child:
     round: int = 1  # the round shipped last
     reported: bool = False  # whether that round's result was taken
     started: float = field(default_factory=time.perf_counter)  # the round's start
+    threads: int | None = None  # the intra-op threads it compiled for, as it reported
+    peak_rss_mb: float | None = None  # its highest peak resident memory reported, in MiB
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @classmethod
     def start(cls, shipment: bytes, threads: int) -> Child:
@@ -230,15 +235,22 @@ class Outcome:
 
 
 class BackgroundCompile:
-    """One setup's background compile: capture, ship, agree, switch, clean up."""
+    """One setup's background compile: capture, ship, agree, switch, clean up. It holds
+    what the switch compiles (``module``'s regions by ``plan`` and ``recipe``;
+    ``root_is_called`` as planned) and says when: ``at_step_boundary`` returns True, the
+    strategy compiles them in place, then ``warm_evaluation``."""
 
     def __init__(
         self,
+        module: nn.Module,
+        root_is_called: bool,
         plan: RegionPlan,
         recipe: CompileRecipe,
         timeout_s: float,
         artifact_guard: dict[str, str],
     ) -> None:
+        self.module = module
+        self.root_is_called = root_is_called
         self.plan = plan
         self.recipe = recipe
         self.timeout_s = timeout_s
@@ -252,15 +264,12 @@ class BackgroundCompile:
         #: What the child compiled or found in its rounds so far: cache artifacts and
         #: kernel files by path.
         self.artifacts: tuple[bytes, dict[str, bytes]] | None = None
-        self.pids: list[int] = []  # every child this process started (one at most)
-        self.rounds = 0  # shipments the child was given
+        #: Every child this process started (one at most), kept after it stops: its
+        #: rounds, threads and memory.
+        self.children: list[Child] = []
         self.child_seconds: float | None = None
-        #: The highest peak resident memory of this process's children, in MiB.
-        self.child_peak_rss_mb: float | None = None
-        self.child_threads: int | None = None  # the intra-op threads it compiled for
-        self.outcome: Outcome | None = None
+        self.outcome: Outcome | None = None  # set at the switch, on every process
         self.steps_eager = 0  # optimizer steps that ran before the switch
-        self.switched = False
         self.switched_at: float | None = None  # seconds from setup to the switch
         self.created = time.perf_counter()
         #: torch's cache counters when the regions compiled in place (``compat.cache_counts``).
@@ -296,10 +305,15 @@ class BackgroundCompile:
 
     # --- the step boundary --------------------------------------------------------------
 
-    def at_step_boundary(self, processes: Processes, compile_now: Callable[[], None]) -> bool:
+    @property
+    def switched(self) -> bool:
+        """Whether the switch came (then the regions compile in place, warm)."""
+        return self.outcome is not None
+
+    def at_step_boundary(self, processes: Processes) -> bool:
         """After an optimizer step: ship or poll (rank 0) and agree; at the switch, share
-        the outcome, ``compile_now`` (the strategy's in-place compile) and warm the
-        evaluation graphs. True when the switch came now."""
+        the outcome and stop the child. True when the switch came now: compile the
+        regions in place now, then ``warm_evaluation``."""
         if self.switched:
             return False
         self.steps_eager += 1
@@ -315,13 +329,10 @@ class BackgroundCompile:
                 if not unpack_artifacts(artifacts, self.artifact_guard, source=SOURCE):
                     break  # refused: one warning, and this process compiles cold
         self.child_seconds = outcome.child_seconds
-        self.switched = True
         self.switched_at = time.perf_counter() - self.created
         self.counts_at_switch = cache_counts()
         self.stop()
         self._warn(outcome)
-        compile_now()
-        self.warm_evaluation()
         return True
 
     def warm_evaluation(self) -> None:
@@ -352,9 +363,8 @@ class BackgroundCompile:
                 return True
             done = child.result()
             if "peak_rss_mb" in done:
-                peak = float(done["peak_rss_mb"])
-                self.child_peak_rss_mb = max(peak, self.child_peak_rss_mb or 0.0)
-            self.child_threads = done.get("threads", self.child_threads)
+                child.peak_rss_mb = max(float(done["peak_rss_mb"]), child.peak_rss_mb or 0.0)
+            child.threads = done.get("threads", child.threads)
             if not done.get("ok"):
                 self.failure = str(done.get("error"))
                 return True
@@ -399,10 +409,9 @@ class BackgroundCompile:
             return False
         if self.child is None:
             self.child = Child.start(payload, threads=lent_threads(self._all_threads()))
-            self.pids.append(self.child.process.pid)
+            self.children.append(self.child)
         else:
             self.child.ship(payload)
-        self.rounds += 1
         self._share_cores()
         return True
 

@@ -11,7 +11,7 @@ later, at a step boundary, is in place too and changes nothing either.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import (
@@ -66,6 +66,19 @@ class RegionalCompileBase:
     #: stopped mid-turn.
     EAGER_TURN = EAGER
 
+    if TYPE_CHECKING:  # what the parts need of the Lightning or Fabric strategy mixed in
+        # after this class (``gate.Processes``, ``background.switch.Processes``)
+
+        @property
+        def root_device(self) -> torch.device: ...
+
+        @property
+        def is_global_zero(self) -> bool: ...
+
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
     def __init__(self, **kwargs: Any) -> None:
         """The regional options and the Lightning strategy's own arguments, all
         keyword-only: the options are kept here, the rest go to the strategy."""
@@ -93,8 +106,6 @@ class RegionalCompileBase:
         self.background: BackgroundCompile | None = None
         #: Whether the compiled regions pay on this run's steps (``keep_if_faster``).
         self.payoff: CompilePayoff | None = None
-        #: What the background switch compiles: (module, root_is_called, plan, recipe).
-        self._compile_at_switch: tuple[Any, bool, RegionPlan, CompileRecipe] | None = None
         #: Each module's last keep-or-revert decision, for its validate, test, predict.
         self.decided = Decided()
         #: Whether a setup compiled here and has not been torn down yet.
@@ -112,7 +123,7 @@ class RegionalCompileBase:
 
     def artifact_guard(self) -> dict[str, str]:
         """What compile artifacts made here must match to be loaded elsewhere."""
-        device = self.root_device  # type: ignore[attr-defined]
+        device = self.root_device
         device_type = device.type
         if device_type == "cuda":  # kernels are built for one GPU model: name it
             device_type = f"cuda ({torch.cuda.get_device_name(device)})"
@@ -127,10 +138,9 @@ class RegionalCompileBase:
             if undecided is not None:
                 rank_zero_info(f"regional compile on this run's steps: {undecided}")
         if self.background is not None:
-            if not self.background.switched and self._compile_at_switch is not None:
+            if not self.background.switched:
                 rank_zero_info(self.background.summary())
             self.background.stop()
-            self._compile_at_switch = None
         self.compile_cache.exit()
         self.environment.exit()
         self._set_up = False
@@ -164,9 +174,13 @@ class RegionalCompileBase:
             )
         elif self.options.compile_in_background and tracker_of(module) is None:
             self.background = BackgroundCompile(
-                plan, recipe, self.options.background_timeout_s, self.artifact_guard()
+                module,
+                root_is_called,
+                plan,
+                recipe,
+                self.options.background_timeout_s,
+                self.artifact_guard(),
             )
-            self._compile_at_switch = (module, root_is_called, plan, recipe)
             rank_zero_info(
                 f"regional compile: {len(plan.regions)} region(s) run eager while one child "
                 "process compiles them (compile_in_background=True)"
@@ -192,14 +206,12 @@ class RegionalCompileBase:
         (which may compile the regions now); then report each of ``modules`` (the
         LightningModule; the modules a Fabric loop set up) as the default mode does, and
         time the step for the keep-or-revert gate."""
-        if self.background is not None and self._compile_at_switch is not None:
-            module_, root_is_called, plan, recipe = self._compile_at_switch
-
-            def compile_now() -> None:
-                self._compile_now(module_, root_is_called, plan, recipe)
-
-            if self.background.at_step_boundary(self, compile_now):  # type: ignore[arg-type]
-                self._compile_at_switch = None
+        background = self.background
+        if background is not None and not background.switched:
+            if background.at_step_boundary(self):  # the switch: compile now, warm
+                target = (background.module, background.root_is_called, background.plan)
+                self._compile_now(*target, background.recipe)
+                background.warm_evaluation()
             return
         first = not all(self.reporter.has_reported(module) for module in modules)
         for module in modules:
@@ -207,7 +219,7 @@ class RegionalCompileBase:
         if first and self.background is not None and self.background.switched:
             rank_zero_info(self.background.summary())
         if self.payoff is not None:
-            decision = self.payoff.at_step_boundary(modules, self)  # type: ignore[arg-type]
+            decision = self.payoff.at_step_boundary(modules, self)
             if decision is not None:
                 rank_zero_info(f"regional compile on this run's steps: {decision}")
                 self.decided.record(modules, decision)
