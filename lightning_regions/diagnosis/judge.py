@@ -26,13 +26,16 @@ import re
 import sys
 from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 from torch import nn
 
+from ..compat import graphs_held, recompile_limit
 from ..core.kv_cache import models_without_use_cache
 from ..core.nested import NESTED_TRACED_APART_FIX
+from ..core.regions import Region, RegionPlan
 from ..core.variants import ClassVariants, compress_paths
-from ..core.watch import ClassRecompiles, FrameCompile, Guard, parse_guard
+from ..core.watch import ClassRecompiles, FrameCompile, Guard, parse_guard, region_codes
 
 #: Up to this many instances of one variant compiling graphs of their own is torch
 #: compiling a per-instance number as a constant once and then as a symbolic value:
@@ -463,12 +466,88 @@ class RegionGraphBreaks:
 
 @dataclass(frozen=True)
 class RegionFrames:
-    """What one region's observed calls showed of graph breaks."""
+    """What one region's observed calls showed of graph breaks: the most compiled graphs
+    one call ran, the most pieces of them (DDP's split makes several of one), torch's
+    frame compiles."""
 
     class_name: str
     path: str
     graphs_per_call: int
     frames: tuple[FrameCompile, ...]
+    pieces_per_call: int = 0
+
+
+@dataclass(frozen=True)
+class DDPSplit:
+    """A region class whose graph dynamo's DDP optimizer split at DDP's gradient-bucket
+    boundaries: one graph compiled in pieces, so that the all-reduce of one bucket's
+    gradients overlaps the backward of the next piece. Not a graph break: nothing runs
+    eager between the pieces."""
+
+    class_name: str
+    regions: tuple[str, ...]
+    pieces: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.class_name} ({compress_paths(self.regions)}): each call runs one graph "
+            f"in {self.pieces} pieces, split at DDP's gradient buckets for communication "
+            "overlap (torch._dynamo.config.optimize_ddp); not graph breaks"
+        )
+
+
+def find_ddp_splits(regions: list[RegionFrames]) -> tuple[DDPSplit, ...]:
+    """One entry per region class some of whose calls ran a graph in more pieces than
+    graphs: DDP's split, not a graph break."""
+    by_class: dict[str, list[RegionFrames]] = {}
+    for region in regions:
+        if region.pieces_per_call > max(region.graphs_per_call, 1):
+            by_class.setdefault(region.class_name, []).append(region)
+    return tuple(
+        DDPSplit(name, tuple(r.path for r in split), max(r.pieces_per_call for r in split))
+        for name, split in by_class.items()
+    )
+
+
+class LimitFilledByOthers(NamedTuple):
+    """A region class some of whose instances ran eager because its code already held
+    ``held`` graphs, at least torch's ``recompile_limit`` and more than this model
+    compiled: graphs of other live models of the class (a sweep's, a notebook's)."""
+
+    class_name: str
+    held: int
+
+    def fix(self) -> str:
+        """Why, and what to do, for the warning."""
+        return (
+            f"its code already holds {self.held} compiled graph(s) in this process, torch's "
+            f"recompile limit (torch._dynamo.config.recompile_limit = {recompile_limit()}), "
+            f"made for other models of {self.class_name} that are still alive (a sweep's or "
+            "a notebook's earlier models, at other shapes). Fix: drop your references to "
+            "those models before building the next one (their graphs are then dropped at "
+            "its setup), call torch.compiler.reset() between them, or raise the recompile "
+            "limit."
+        )
+
+
+def judge_limit_filled(
+    plan: RegionPlan, graphs_by_class: dict[str, int], fell_back: set[str]
+) -> tuple[LimitFilledByOthers, ...]:
+    """Of the region classes some of whose instances fell back to eager (``fell_back``),
+    those whose code holds at least torch's ``recompile_limit`` in graphs, more than this
+    model compiled for it (``graphs_by_class``): graphs of other models, still alive,
+    of the same class (``drop_gone_graphs`` drops those of gone ones), left this one no
+    room to compile."""
+    first_of_class: dict[str, Region] = {}
+    for region in plan.regions:
+        first_of_class.setdefault(region.class_name, region)
+    found = []
+    for name, region in first_of_class.items():
+        if name in fell_back:
+            held = max(graphs_held(code) for code in region_codes(region.module))
+            if held >= recompile_limit() and held > graphs_by_class.get(name, 0):
+                found.append(LimitFilledByOthers(name, held))
+    return tuple(found)
 
 
 def find_graph_breaks(regions: list[RegionFrames]) -> tuple[RegionGraphBreaks, ...]:

@@ -13,19 +13,23 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..compat import compile_turned_off, graphs_held, recompile_limit
+from ..compat import compile_turned_off
 from ..core.compile import tracker_of
 from ..core.graph import join
 from ..core.regions import Region, RegionPlan
 from ..core.tracking import RegionStats
 from ..core.variants import ClassVariants, compress_paths, find_variants
-from ..core.watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard, region_codes
+from ..core.watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard
 from .judge import (
     ClassRun,
+    DDPSplit,
+    LimitFilledByOthers,
     PerInstanceRecompiles,
     RegionFrames,
     RegionGraphBreaks,
+    find_ddp_splits,
     find_graph_breaks,
+    judge_limit_filled,
     judge_nested_traced,
     judge_recompiles,
     uncontrolled_kv_caches,
@@ -75,24 +79,11 @@ class RegionRow:
         """Called in the observed calls (a nested region: its unit was)."""
         return self.observed_calls > 0 or bool(self.nested_in)
 
-
-@dataclass(frozen=True)
-class DDPSplit:
-    """A region class whose graph dynamo's DDP optimizer split at DDP's gradient-bucket
-    boundaries: one graph compiled in pieces, so that the all-reduce of one bucket's
-    gradients overlaps the backward of the next piece. Not a graph break: nothing runs
-    eager between the pieces."""
-
-    class_name: str
-    regions: tuple[str, ...]
-    pieces: int
-
-    def __str__(self) -> str:
-        return (
-            f"{self.class_name} ({compress_paths(self.regions)}): each call runs one graph "
-            f"in {self.pieces} pieces, split at DDP's gradient buckets for communication "
-            "overlap (torch._dynamo.config.optimize_ddp); not graph breaks"
-        )
+    @property
+    def fell_back(self) -> bool:
+        """Called, never ran compiled code, and not because its compile failed
+        (``RegionCompileWarning`` names those): an eager fallback or a skipped frame."""
+        return self.called and not self.ran_compiled and not self.compile_error
 
 
 @dataclass(frozen=True)
@@ -115,7 +106,7 @@ class RegionReport:
     dropped: tuple[str, ...] = ()
     #: Region classes that ran eager because their code already held torch's
     #: ``recompile_limit`` in graphs compiled for other live models: (class, graphs held).
-    limit_filled_before: tuple[tuple[str, int], ...] = ()
+    limit_filled_before: tuple[LimitFilledByOthers, ...] = ()
     #: How torch.compile is turned off in this process ('' where it is not).
     compile_off: str = ""
 
@@ -269,6 +260,10 @@ def region_report(model: nn.Module) -> RegionReport:
     recompiles = tuple(tracker.watch.refresh())
     variants = find_variants(plan)
     regional = [row for row in rows if not row.nested_in]
+    frames = [
+        RegionFrames(r.class_name, r.paths[0], r.graphs_per_call, r.frames, r.pieces_per_call)
+        for r in regional
+    ]
     compile_off = compile_turned_off()
     filled = () if compile_off else limit_filled_before(plan, regional)
     filled_classes = {class_name for class_name, _held in filled}
@@ -288,10 +283,8 @@ def region_report(model: nn.Module) -> RegionReport:
         )
         + nested_traced_apart(rows),
         variants=tuple(v for v in variants.values() if len(v.variants) > 1),
-        breaks=find_graph_breaks(
-            [RegionFrames(r.class_name, r.paths[0], r.graphs_per_call, r.frames) for r in regional]
-        ),
-        ddp_split=ddp_splits(regional),
+        breaks=find_graph_breaks(frames),
+        ddp_split=find_ddp_splits(frames),
         gate_outcome=tracker.gate_outcome,
         dropped=tracker.dropped,
         limit_filled_before=filled,
@@ -299,40 +292,15 @@ def region_report(model: nn.Module) -> RegionReport:
     )
 
 
-def limit_filled_before(plan: RegionPlan, rows: list[RegionRow]) -> tuple[tuple[str, int], ...]:
-    """The region classes some of whose instances ran eager while their code held at
-    least torch's ``recompile_limit`` in graphs, more than this model compiled for it:
-    graphs of other models, still alive, of the same class (``drop_gone_graphs`` drops
-    those of gone ones), left this one no room to compile."""
+def limit_filled_before(plan: RegionPlan, rows: list[RegionRow]) -> tuple[LimitFilledByOthers, ...]:
+    """The region classes that fell back to eager because graphs of other live models
+    filled torch's recompile limit for their code (``judge.judge_limit_filled``, on
+    these rows' graphs per class)."""
     graphs_by_class: dict[str, int] = {}
-    eager: set[str] = set()
     for row in rows:
         graphs_by_class[row.class_name] = graphs_by_class.get(row.class_name, 0) + row.graphs
-        if row.called and not row.ran_compiled and not row.compile_error:
-            eager.add(row.class_name)
-    first_of_class: dict[str, Region] = {}
-    for region in plan.regions:
-        first_of_class.setdefault(region.class_name, region)
-    found = []
-    for name, region in first_of_class.items():
-        if name in eager:
-            held = max(graphs_held(code) for code in region_codes(region.module))
-            if held >= recompile_limit() and held > graphs_by_class[name]:
-                found.append((name, held))
-    return tuple(found)
-
-
-def ddp_splits(rows: list[RegionRow]) -> tuple[DDPSplit, ...]:
-    """One entry per region class some of whose calls ran a graph in more pieces than
-    graphs (``RegionStats.pieces_per_call``)."""
-    by_class: dict[str, list[RegionRow]] = {}
-    for row in rows:
-        if row.pieces_per_call > max(row.graphs_per_call, 1):
-            by_class.setdefault(row.class_name, []).append(row)
-    return tuple(
-        DDPSplit(name, tuple(r.paths[0] for r in split), max(r.pieces_per_call for r in split))
-        for name, split in by_class.items()
-    )
+    fell_back = {row.class_name for row in rows if row.fell_back}
+    return judge_limit_filled(plan, graphs_by_class, fell_back)
 
 
 def per_instance_recompiles(
@@ -357,11 +325,7 @@ def per_instance_recompiles(
             class_name=class_name,
             paths=tuple(row.paths[0] for row in class_rows),
             graphs=tuple(row.graphs for row in class_rows),
-            eager=sum(
-                1
-                for row in class_rows
-                if row.observed_calls and not row.compiled_calls and not row.compile_error
-            ),
+            eager=sum(row.fell_back for row in class_rows),
             reasons=tuple(entry.reasons) if entry else (),
             limit_hits=entry.limit_hits if entry else 0,
         )
@@ -468,8 +432,8 @@ def warn_if_not_compiled(report: RegionReport) -> None:
     """Warn, naming each region, when a region that was called never ran compiled code.
     Regions that failed to compile are left out (``RegionCompileWarning`` named them when
     it happened), and so are regions never called: nothing was lost there."""
-    filled = dict(report.limit_filled_before)
-    missing = tuple(row for row in report.ran_eager if not row.compile_error)
+    filled = {judged.class_name: judged for judged in report.limit_filled_before}
+    missing = tuple(row for row in report.rows if row.fell_back)
     if missing and report.compile_off:
         warnings.warn(
             f"{len(missing)} region(s) ran eager: torch.compile is turned off in this "
@@ -488,16 +452,10 @@ def warn_if_not_compiled(report: RegionReport) -> None:
             RegionNotCompiledWarning,
             stacklevel=2,
         )
-    for class_name, held in filled.items():
+    for class_name, judged in filled.items():
         paths = compress_paths(row.paths[0] for row in missing if row.class_name == class_name)
         warnings.warn(
-            f"{class_name} at {paths} ran eager: its code already holds {held} compiled "
-            f"graph(s) in this process, torch's recompile limit "
-            f"(torch._dynamo.config.recompile_limit = {recompile_limit()}), made for other "
-            f"models of {class_name} that are still alive (a sweep's or a notebook's "
-            "earlier models, at other shapes). Fix: drop your references to those models "
-            "before building the next one (their graphs are then dropped at its setup), "
-            "call torch.compiler.reset() between them, or raise the recompile limit.",
+            f"{class_name} at {paths} ran eager: {judged.fix()}",
             RegionNotCompiledWarning,
             stacklevel=2,
         )
