@@ -27,7 +27,8 @@ from lightning_regions import (
     find_regions,
     region_report,
 )
-from lightning_regions.core.variants import compress_paths, find_variants
+from lightning_regions.core.graph import compress_paths
+from lightning_regions.core.variants import find_variants
 from lightning_regions.diagnosis.judge import real_location
 
 VOCAB = 64

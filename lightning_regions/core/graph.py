@@ -8,7 +8,8 @@ parameters) can be recorded, compared and preserved.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -54,6 +55,31 @@ def model_class(module: nn.Module) -> type:
 
 def join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def compress_paths(paths: Iterable[str]) -> str:
+    """``encoder.block.1, ..., encoder.block.11`` as ``encoder.block.1-11``."""
+    by_prefix: dict[str, list[int]] = {}
+    loose: list[str] = []
+    for path in paths:
+        match = re.fullmatch(r"(.*\.)(\d+)", path)
+        if match:
+            by_prefix.setdefault(match.group(1), []).append(int(match.group(2)))
+        else:
+            loose.append(path or "<root>")
+    return ", ".join([prefix + _ranges(numbers) for prefix, numbers in by_prefix.items()] + loose)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    numbers = sorted(numbers)
+    runs = [[numbers[0], numbers[0]]]
+    for number in numbers[1:]:
+        if number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def iter_registrations(root: nn.Module) -> Iterator[tuple[str, nn.Module | None]]:

@@ -19,14 +19,12 @@ Plain torch, from the plan alone: nothing is compiled or called.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..compat import registered_buffers, registered_parameters
-from .graph import iter_registrations, join, model_class
+from .graph import compress_paths, iter_registrations, join, model_class
 from .regions import Region, RegionPlan
 
 #: An attribute makes variants when it takes at most max(FEW, instances // 4) values.
@@ -139,28 +137,3 @@ def _named(differing: list[str], kinds: dict[str, str]) -> list[str]:
     kept = [key for key in differing if not any(key.startswith(f"{m}.") for m in modules)]
     order = {MODULE: 0, ATTRIBUTE: 1, TENSOR: 2}
     return sorted(kept, key=lambda key: (order[kinds[key]], key.count("."), key))
-
-
-def compress_paths(paths: Iterable[str]) -> str:
-    """``encoder.block.1, ..., encoder.block.11`` as ``encoder.block.1-11``."""
-    by_prefix: dict[str, list[int]] = {}
-    loose: list[str] = []
-    for path in paths:
-        match = re.fullmatch(r"(.*\.)(\d+)", path)
-        if match:
-            by_prefix.setdefault(match.group(1), []).append(int(match.group(2)))
-        else:
-            loose.append(path or "<root>")
-    return ", ".join([prefix + _ranges(numbers) for prefix, numbers in by_prefix.items()] + loose)
-
-
-def _ranges(numbers: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2,5``."""
-    numbers = sorted(numbers)
-    runs = [[numbers[0], numbers[0]]]
-    for number in numbers[1:]:
-        if number == runs[-1][1] + 1:
-            runs[-1][1] = number
-        else:
-            runs.append([number, number])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

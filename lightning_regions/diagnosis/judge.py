@@ -31,10 +31,11 @@ from typing import NamedTuple
 from torch import nn
 
 from ..compat import graphs_held, recompile_limit
+from ..core.graph import compress_paths
 from ..core.kv_cache import models_without_use_cache
 from ..core.nested import NESTED_TRACED_APART_FIX
 from ..core.regions import Region, RegionPlan
-from ..core.variants import ClassVariants, compress_paths
+from ..core.variants import ClassVariants
 from ..core.watch import ClassRecompiles, FrameCompile, Guard, parse_guard, region_codes
 
 #: Up to this many instances of one variant compiling graphs of their own is torch

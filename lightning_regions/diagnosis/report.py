@@ -15,10 +15,10 @@ from torch import nn
 
 from ..compat import compile_turned_off
 from ..core.compile import tracker_of
-from ..core.graph import join
+from ..core.graph import compress_paths, join
 from ..core.regions import Region, RegionPlan
 from ..core.tracking import RegionStats
-from ..core.variants import ClassVariants, compress_paths, find_variants
+from ..core.variants import ClassVariants, find_variants
 from ..core.watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard
 from .judge import (
     ClassRun,

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..compat import recompile_limit
 from ..core.compile import end_observation, tracker_of
-from ..core.variants import compress_paths
+from ..core.graph import compress_paths
 from ..diagnosis.judge import judge_limit_fallback
 from ..diagnosis.report import (
     PerInstanceRecompileWarning,
