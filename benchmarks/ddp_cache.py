@@ -21,10 +21,9 @@ Writes ``ddp_cache.json`` and ``ddp_cache.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
+from benchmarks.harness import median_of, quiet_trainer, ranks_in_child, save_results  # noqa: E402
 
 
 def train(devices: int, size: dict[str, int], out: str) -> None:
@@ -67,15 +66,9 @@ def train(devices: int, size: dict[str, int], out: str) -> None:
 
 def start(devices: int, size: dict[str, int], cache: str) -> list[dict]:
     """One start in new processes; each rank's figures, by rank."""
-    with tempfile.TemporaryDirectory(prefix="ddp-cache-") as out:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        command = [sys.executable, __file__, "--child", str(devices), "--size", json.dumps(size)]
-        done = subprocess.run(
-            [*command, "--child-out", out], cwd=ROOT, env=env, capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{devices}-process start failed:\n{done.stderr[-3000:]}")
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(devices)]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+    arguments = ("--child", str(devices), "--size", json.dumps(size))
+    return ranks_in_child(__file__, *arguments, ranks=devices, env=env)
 
 
 def one_round(size: dict[str, int]) -> dict[str, list[dict]]:
@@ -95,10 +88,7 @@ def table(rounds: list[dict[str, list[dict]]]) -> str:
     for start_name in rounds[0]:
         for rank in range(len(rounds[0][start_name])):
             runs = [r[start_name][rank] for r in rounds]
-
-            def median(key: str, runs: list[dict] = runs) -> float:
-                return statistics.median(run[key] for run in runs)
-
+            median = functools.partial(median_of, runs)
             lines.append(
                 f"| {start_name} | {rank} | {median('first_step_s'):.1f} "
                 f"({median('first_step_cpu_s'):.1f}) | {runs[0]['threads']} "

@@ -24,12 +24,11 @@ Writes ``ddp_split.json`` and ``ddp_split.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
+from benchmarks.harness import median_of, quiet_trainer, ranks_in_child, save_results  # noqa: E402
 
 WAYS = ("whole", "split")
 STEPS = 20
@@ -96,15 +95,8 @@ def train(way: str, size: dict[str, int], out: str) -> None:
 
 def start(way: str, size: dict[str, int]) -> list[dict]:
     """One start in new processes with an empty cache; each rank's figures."""
-    with tempfile.TemporaryDirectory(prefix="ddp-split-") as scratch:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "cache"))
-        command = [sys.executable, __file__, "--child", way, "--size", json.dumps(size)]
-        done = subprocess.run(
-            [*command, "--child-out", scratch], cwd=ROOT, env=env, capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{way} failed:\n{done.stderr[-3000:]}")
-        return [json.loads(Path(scratch, f"rank{r}.json").read_text()) for r in range(2)]
+    arguments = ("--child", way, "--size", json.dumps(size))
+    return ranks_in_child(__file__, *arguments, ranks=2, fresh_cache=True)
 
 
 def table(rounds: list[dict[str, list[dict]]]) -> str:
@@ -116,10 +108,7 @@ def table(rounds: list[dict[str, list[dict]]]) -> str:
     for way in WAYS:
         for rank in range(2):
             runs = [r[way][rank] for r in rounds]
-
-            def median(key: str, runs: list[dict] = runs) -> float:
-                return statistics.median(run[key] for run in runs)
-
+            median = functools.partial(median_of, runs)
             lines.append(
                 f"| {way} | {rank} | {median('first_step_s'):.1f} "
                 f"({median('first_step_cpu_s'):.1f}) | {median('steady_step_s'):.3f} "

@@ -14,12 +14,9 @@ Writes ``entry_points.{json,md}`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
+from benchmarks.harness import in_child, quiet_trainer, save_results, to_parent  # noqa: E402
 
 SIZE = {"block_size": 128, "n_layer": 16, "n_head": 4, "n_embd": 256}
 WAYS = ("eager", "lightning_regions, compile_in_background=True")
@@ -74,13 +71,7 @@ def run(way: str, entry: str) -> dict[str, Any]:
 
 
 def fresh(way: str, entry: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="entry-points-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        command = [sys.executable, __file__, "--child", way, "--entry", entry]
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-2000:])
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    return in_child(__file__, "--child", way, "--entry", entry, fresh_cache=True)
 
 
 def main() -> None:
@@ -91,7 +82,7 @@ def main() -> None:
     parser.add_argument("--entry", choices=ENTRIES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run(args.child, args.entry)))
+        to_parent(run(args.child, args.entry))
         return
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rounds = [{f"{entry} | {way}": fresh(way, entry) for entry in ENTRIES for way in WAYS}]

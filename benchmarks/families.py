@@ -31,85 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import save_results  # noqa: E402
+from benchmarks.tiny_transformers import DEPTH, VOCAB, shrink  # noqa: E402
 
-DEPTH, VOCAB, BATCH, LENGTH, STEPS = 12, 128, 2, 16, 3
-
-#: Tiny widths, given to whichever of these a config has.
-SIZES = {
-    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embedding_size"), 64),
-    **dict.fromkeys(("attention_hidden_size", "emb_dim", "dim"), 64),
-    **dict.fromkeys(
-        (
-            "num_attention_heads",
-            "n_head",
-            "n_heads",
-            "num_heads",
-            "encoder_attention_heads",
-            "decoder_attention_heads",
-        ),
-        4,
-    ),
-    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), 2),
-    **dict.fromkeys(("head_dim", "qk_head_dim", "v_head_dim", "attention_head_dim"), 16),
-    **dict.fromkeys(
-        ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner"), 128
-    ),
-    **dict.fromkeys(("ffn_hidden_size", "d_ff", "d_inner"), 128),
-    **dict.fromkeys(
-        (
-            "moe_intermediate_size",
-            "shared_expert_intermediate_size",
-            "shared_intermediate_size",
-            "expert_intermediate_size",
-        ),
-        32,
-    ),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
-    **dict.fromkeys(("moe_num_experts", "num_experts_per_layer"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k"), 2),
-    **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
-    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
-    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),
-    **dict.fromkeys(("vocab_size",), VOCAB),
-    **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len"), 128),
-    **dict.fromkeys(
-        (
-            "num_hidden_layers",
-            "n_layer",
-            "n_layers",
-            "num_layers",
-            "decoder_layers",
-            "encoder_layers",
-        ),
-        DEPTH,
-    ),
-}
-LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types")
-SECTIONS = ("n_input_layers", "n_recurrent_layers", "n_output_layers")
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-
-
-def shrink(config: Any) -> Any:
-    """``config`` with tiny widths, 12 layers, per-layer lists tiled to 12, and special
-    tokens inside the vocabulary; sub-configs (``text_config``...) too."""
-    for name, value in list(vars(config).items()):
-        if name in SIZES and isinstance(value, int) and not isinstance(value, bool):
-            setattr(config, name, SIZES[name])
-        elif name in LAYER_LISTS and isinstance(value, list) and value:
-            setattr(config, name, [value[i % len(value)] for i in range(DEPTH)])
-        elif name in TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
-            setattr(config, name, 1)
-        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            shrink(value)
-    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # multi-head latent attention
-        config.head_dim = config.qk_rope_head_dim  # what rotary embeddings are built with
-    if all(isinstance(getattr(config, name, None), int) for name in SECTIONS):
-        # looped models (dory): input, recurrent and output sections that add up to DEPTH;
-        # the defaults (8 + 20 + 8) would run some layers in two sections, each writing
-        # its keys into the same training KV-cache slot
-        for name, layers in zip(SECTIONS, (2, DEPTH - 4, 2), strict=True):
-            setattr(config, name, layers)
-    return config
+BATCH, LENGTH, STEPS = 2, 16, 3
 
 
 def causal_lm(model_type: str) -> tuple[Any, str]:

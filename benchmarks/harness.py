@@ -7,19 +7,25 @@
   machine and the command of a run.
 - ``save_results``: ``name.md`` and ``name.json`` in ``benchmarks/results/``, each with
   that provenance (a last line of the Markdown, a ``provenance`` key of the JSON).
+- ``in_child`` and ``ranks_in_child``: a script run again as its own child (``--child
+  ...``) in a new process, from the repository root, often with an empty compile cache of
+  its own; ``to_parent`` is the child's side. ``median_of``: one figure's median over
+  runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +124,63 @@ def save_results(out: Path, name: str, device: str, markdown: str, data: dict) -
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
     return stem
+
+
+class ChildFailed(RuntimeError):
+    """A benchmark's child process exited with an error; the message ends with its
+    standard error's last lines."""
+
+
+@contextlib.contextmanager
+def _child_env(env: Mapping[str, str] | None, fresh_cache: bool) -> Iterator[dict[str, str]]:
+    with contextlib.ExitStack() as stack:
+        made = dict(os.environ if env is None else env)
+        if fresh_cache:
+            cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-cache-"))
+            made["TORCHINDUCTOR_CACHE_DIR"] = cache
+        yield made
+
+
+def _run(command: list[str], env: dict[str, str], what: str) -> str:
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ChildFailed(f"{what} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def in_child(
+    script: str, *arguments: str, env: Mapping[str, str] | None = None, fresh_cache: bool = False
+) -> Any:
+    """Run ``python SCRIPT ARGUMENTS`` in a new process from the repository root (``env``:
+    its environment, this one's by default; ``fresh_cache``: with an empty
+    ``TORCHINDUCTOR_CACHE_DIR`` of its own, removed after) and return the JSON of the last
+    line it printed (``to_parent``). Raises ``ChildFailed`` naming its standard error."""
+    with _child_env(env, fresh_cache) as child_env:
+        out = _run([sys.executable, script, *arguments], child_env, " ".join(arguments))
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ranks_in_child(
+    script: str,
+    *arguments: str,
+    ranks: int,
+    env: Mapping[str, str] | None = None,
+    fresh_cache: bool = False,
+) -> list[Any]:
+    """``in_child`` for a script that starts ``ranks`` processes: each writes its figures
+    to ``rank<r>.json`` in the folder passed as ``--child-out``; returned by rank."""
+    with tempfile.TemporaryDirectory(prefix="benchmark-ranks-") as out:
+        with _child_env(env, fresh_cache) as child_env:
+            command = [sys.executable, script, *arguments, "--child-out", out]
+            _run(command, child_env, " ".join(arguments))
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def to_parent(result: Any) -> None:
+    """The child's side of ``in_child``: its result, as the last line it prints."""
+    print(json.dumps(result), flush=True)
+
+
+def median_of(runs: Iterable[Mapping[str, Any]], key: str) -> float:
+    """The median of ``key`` over ``runs``."""
+    return float(statistics.median(run[key] for run in runs))

@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from harness import quiet_trainer, save_results  # noqa: E402
+from harness import ChildFailed, in_child, quiet_trainer, save_results, to_parent  # noqa: E402
 
 from lightning_regions.background.child import peak_rss_mb  # noqa: E402
 
@@ -253,13 +253,10 @@ def measure_per_call(depth: int, width: int, fixed_threshold: bool) -> dict[str,
 
 def in_fresh_process(arguments: list[str]) -> dict[str, Any]:
     """Run this script on ``arguments`` in a new process with a new, empty compile cache."""
-    with tempfile.TemporaryDirectory(prefix="memory-cache-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        command = [sys.executable, __file__, *arguments]
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1][:300] if done.stderr else "?"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        return in_child(__file__, *arguments, fresh_cache=True)
+    except ChildFailed as failed:  # a row of its own: what the child's last line said
+        return {"error": str(failed).strip().splitlines()[-1][:300]}
 
 
 def per_call_lines(calls: list[dict[str, Any]]) -> list[str]:
@@ -359,7 +356,7 @@ def main() -> None:
         print(json.dumps(measure_way(args.way)))
         return
     if args.child:
-        print(json.dumps(measure_child(args.child, args.child_width)))
+        to_parent(measure_child(args.child, args.child_width))
         return
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

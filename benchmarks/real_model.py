@@ -20,17 +20,14 @@ Writes ``real_model.json`` and ``real_model.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from compile_time import add_run_arguments
-from harness import save_results
+from harness import in_child, save_results, to_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("eager", "whole", "accelerate", "ours_cache_on", "ours")
@@ -94,13 +91,8 @@ def run_child(variant: str, device: str) -> dict:
 
 
 def run_isolated(variant: str, device: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
-        command = [sys.executable, __file__, "--child", variant, "--device", device]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return in_child(__file__, "--child", variant, "--device", device, env=env, fresh_cache=True)
 
 
 def table(summary: dict, variants: list[str]) -> str:
@@ -127,7 +119,7 @@ def main() -> None:
     add_run_arguments(parser, VARIANTS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.device)))
+        to_parent(run_child(args.child, args.device))
         return
 
     runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}

@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import quiet_trainer, save_results  # noqa: E402
+from benchmarks.harness import in_child, quiet_trainer, save_results, to_parent  # noqa: E402
 
 VARIANTS = ("torch.compile", "accelerate", "lightning_regions")
 STEPS = 2
@@ -83,13 +83,8 @@ def train_trial(variant: str, size: dict[str, int], root: str) -> dict[str, Any]
 
 def trial_in_fresh_process(variant: str, size: dict[str, int], cache: str, root: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-    command = [sys.executable, __file__, "--child", variant, "--size", json.dumps(size)]
-    done = subprocess.run(
-        [*command, "--root", root], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{variant} trial failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = ("--child", variant, "--size", json.dumps(size), "--root", root)
+    return in_child(__file__, *arguments, env=env)
 
 
 def warm_torchs_own_files() -> None:
@@ -162,7 +157,7 @@ def main() -> None:
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(train_trial(args.child, json.loads(args.size), args.root)))
+        to_parent(train_trial(args.child, json.loads(args.size), args.root))
         return
     size = {"block_size": 64, "n_layer": args.n_layer, "n_head": 4, "n_embd": args.n_embd}
     if args.unique_blocks:

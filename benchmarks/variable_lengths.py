@@ -18,10 +18,8 @@ Writes ``variable_lengths.{json,md}`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from harness import in_child, to_parent  # noqa: E402
 
 from lightning_regions.gate.gate import MAX_WINDOWS, SETTLE, WINDOW  # noqa: E402
 
@@ -112,11 +112,7 @@ def run_isolated(width: int, low: int, high: int, seed: int) -> dict:
     """``one_run`` in a new process with a fresh inductor cache."""
     with tempfile.TemporaryDirectory(prefix="variable-lengths-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "LIGHTNING_REGIONS_CACHE_DIR": cache}
-        child = [sys.executable, __file__, "--child", str(width), str(low), str(high), str(seed)]
-        done = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"run {low}-{high} seed {seed} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+        return in_child(__file__, "--child", *map(str, (width, low, high, seed)), env=env)
 
 
 def markdown(runs: list[dict], args: argparse.Namespace) -> str:
@@ -176,7 +172,7 @@ def main() -> None:
     parser.add_argument("--child", type=int, nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(one_run(*args.child)))
+        to_parent(one_run(*args.child))
         return
     from harness import save_results
 

@@ -250,14 +250,18 @@ VOCAB = 64
 def gpt2() -> nn.Module:
     import transformers  # here: the 2-process scripts import this module on every rank
 
-    config = transformers.GPT2Config(
-        n_layer=12,  # a real depth: the recompile limit (8) hides below 9 layers
-        n_embd=32,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=32,
+    from benchmarks.tiny_transformers import tiny
+
+    # 12 layers, a real depth: the recompile limit (8) hides below 9 layers
+    config = tiny(
+        transformers.GPT2Config,
+        width=32,
+        heads=2,
+        vocab=VOCAB,
+        positions=32,
         bos_token_id=0,
         eos_token_id=0,
+        n_inner=None,  # GPT-2's own: 4 x the width
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -265,15 +269,9 @@ def gpt2() -> nn.Module:
 def llama() -> nn.Module:
     import transformers
 
-    config = transformers.LlamaConfig(
-        num_hidden_layers=12,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-    )
+    from benchmarks.tiny_transformers import tiny
+
+    config = tiny(transformers.LlamaConfig, width=32, heads=2, vocab=VOCAB, positions=32)
     return transformers.LlamaForCausalLM(config)
 
 

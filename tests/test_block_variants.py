@@ -28,6 +28,7 @@ import transformers
 from helpers import trainer
 from torch import nn
 
+from benchmarks.tiny_transformers import tiny
 from lightning_regions import (
     PerInstanceRecompileWarning,
     RecompileStormWarning,
@@ -50,41 +51,30 @@ def resnet50_shaped() -> nn.Module:
 
 
 def mobilenet_v2() -> nn.Module:
-    config = transformers.MobileNetV2Config(depth_multiplier=0.25, image_size=32)
+    config = tiny(transformers.MobileNetV2Config, depth_multiplier=0.25, image_size=32)
     return transformers.MobileNetV2ForImageClassification(config)
 
 
 def swin_v2() -> nn.Module:
-    config = transformers.Swinv2Config(
-        image_size=32, patch_size=2, embed_dim=8, num_heads=[1, 2, 2, 4], window_size=2
-    )  # depths [2, 2, 6, 2]
+    config = tiny(
+        transformers.Swinv2Config,
+        image_size=32,
+        patch_size=2,
+        embed_dim=8,
+        num_heads=[1, 2, 2, 4],
+        window_size=2,
+        depth=4,  # its num_layers are its stages, depths [2, 2, 6, 2]
+    )
     return transformers.Swinv2ForImageClassification(config)
 
 
 def deberta_v2() -> nn.Module:
-    config = transformers.DebertaV2Config(
-        hidden_size=32,
-        num_hidden_layers=12,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
+    config = tiny(transformers.DebertaV2Config, width=32, heads=2, vocab=64, positions=64)
     return transformers.DebertaV2ForMaskedLM(config)
 
 
 def bart() -> nn.Module:
-    config = transformers.BartConfig(
-        vocab_size=64,
-        d_model=32,
-        encoder_layers=12,
-        decoder_layers=12,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-    )
+    config = tiny(transformers.BartConfig, width=32, heads=2, vocab=64, positions=64)
     return transformers.BartForConditionalGeneration(config)
 
 

@@ -18,6 +18,7 @@ import transformers
 from helpers import gpt2, trainer
 from torch import nn
 
+from benchmarks.tiny_transformers import tiny
 from lightning_regions import (
     PerInstanceRecompileWarning,
     RegionalCompileStrategy,
@@ -36,13 +37,13 @@ DEPTH = 12  # a real depth: 2-layer models hide per-layer recompiles
 
 
 def t5() -> nn.Module:
-    config = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
+    config = tiny(
+        transformers.T5Config,
+        width=32,
+        heads=2,
+        vocab=VOCAB,
+        depth=DEPTH,
         d_kv=8,
-        d_ff=64,
-        num_layers=DEPTH,
-        num_heads=2,
         dropout_rate=0.0,
         decoder_start_token_id=0,
     )
@@ -50,13 +51,13 @@ def t5() -> nn.Module:
 
 
 def modernbert() -> nn.Module:
-    config = transformers.ModernBertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=DEPTH,
-        num_attention_heads=2,
-        max_position_embeddings=64,
+    config = tiny(
+        transformers.ModernBertConfig,
+        width=32,
+        heads=2,
+        vocab=VOCAB,
+        depth=DEPTH,
+        positions=64,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -72,47 +73,27 @@ def with_experts(config, experts: str):
 
 
 def deepseek(experts: str = "batched_mm") -> nn.Module:
-    config = transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=DEPTH,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        kv_lora_rank=8,
-        q_lora_rank=8,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
+    config = tiny(
+        transformers.DeepseekV3Config,
+        width=32,
+        heads=2,
+        vocab=VOCAB,
+        depth=DEPTH,
+        positions=64,
         v_head_dim=8,
-        max_position_embeddings=64,
     )  # first_k_dense_replace=3 by default: layers 0-2 dense, the rest MoE
     return transformers.DeepseekV3ForCausalLM(with_experts(config, experts))
 
 
 def mixtral(experts: str) -> nn.Module:
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=DEPTH,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
+    config = tiny(
+        transformers.MixtralConfig, width=32, heads=2, vocab=VOCAB, depth=DEPTH, positions=64
     )
     return transformers.MixtralForCausalLM(with_experts(config, experts))
 
 
 def xlm() -> nn.Module:
-    config = transformers.XLMConfig(
-        vocab_size=VOCAB, emb_dim=32, n_layers=DEPTH, n_heads=2, max_position_embeddings=64
-    )
+    config = tiny(transformers.XLMConfig, width=32, heads=2, vocab=VOCAB, depth=DEPTH, positions=64)
     return transformers.XLMWithLMHeadModel(config)
 
 

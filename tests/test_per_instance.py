@@ -26,6 +26,7 @@ from helpers import (
 )
 from torch import nn
 
+from benchmarks.tiny_transformers import tiny
 from lightning_regions import (
     PerInstanceRecompileWarning,
     RegionalCompileStrategy,
@@ -109,13 +110,13 @@ def test_the_hook_reaches_a_cache_built_inside_a_model_whose_forward_takes_no_us
     # **kwargs to GraniteMoeModel, which builds the cache: 4 of 12 layers ran eager in the
     # causal-LM sweep before the hook passed the keyword on
     torch.manual_seed(0)
-    config = transformers.GraniteMoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
+    config = tiny(
+        transformers.GraniteMoeConfig,
+        width=32,
+        heads=2,
+        vocab=VOCAB,
+        depth=2,
         intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
         num_local_experts=2,
         num_experts_per_tok=1,
     )
