@@ -6,11 +6,13 @@ under the strategy and plain Lightning. Test modules import from here (and from
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -374,3 +376,33 @@ def fit_stack(root, blocks, **strategy_kwargs) -> tuple[BlockStack, list[str]]:
         str(w.message) for w in caught if issubclass(w.category, PerInstanceRecompileWarning)
     ]
     return model, per_instance
+
+
+# --- the keep-or-revert gate's clock, read as tests read it ---------------------------
+
+
+def ms_of(clock: Any) -> list[float]:
+    return [step.ms for step in clock.records()]
+
+
+def elements_of(clock: Any) -> list[int | None]:
+    return [step.elements for step in clock.records()]
+
+
+def left_out_of(clock: Any, reason: str) -> list[bool]:
+    return [step.left_out == reason for step in clock.records()]
+
+
+def assert_matches_eager(model: nn.Module, compiled: nn.Module, x: torch.Tensor) -> None:
+    """Outputs, input gradients and parameter gradients equal an eager copy's."""
+    eager = copy.deepcopy(model)
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, actual = eager(x_eager), compiled(x_compiled)
+    torch.testing.assert_close(actual, expected)
+    expected.sum().backward()
+    actual.sum().backward()
+    torch.testing.assert_close(x_compiled.grad, x_eager.grad)
+    for (name, p), (_, q) in zip(
+        compiled.named_parameters(), eager.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -22,7 +21,6 @@ from lightning_regions import (
     RegionalCompileDDPStrategy,
     RegionalCompileStrategy,
     RegionCompileError,
-    RegionNotCompiledWarning,
     TiedWeightsCheck,
     TiedWeightsError,
 )
@@ -40,18 +38,6 @@ def test_compiled_training_matches_eager_training(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
     assert compiled.model.lm_head.weight is compiled.model.wte.weight
     assert compiled.model.blocks[0]._compiled_call_impl is not None
-
-
-def test_report_is_logged_at_setup_and_after_the_first_step(tmp_path, caplog):
-    caplog.set_level(logging.INFO)
-    trainer(tmp_path, RegionalCompileStrategy(backend="eager"), steps=2).fit(gpt(), data())
-    text = caplog.text
-    assert "regional compile: 2 region(s)" in text
-    assert "model.blocks.0, model.blocks.2, model.layers.0, model.layers.2" in text
-    assert "aliases kept: model.blocks = model.layers; model.blocks.0 = model.blocks.2" in text
-    assert "tied parameters kept: model.wte.weight = model.lm_head.weight" in text
-    assert "after first step: 1 graph(s) compiled" in text
-    assert "0 region(s) called without a compiled call" in text
 
 
 def test_every_trainer_function_sees_the_compiled_model_and_setup_twice_compiles_once(tmp_path):
@@ -312,22 +298,6 @@ def test_a_recompile_storm_warns_naming_the_block_and_torchs_reason(tmp_path):
     strategy = RegionalCompileStrategy(backend="eager", dynamic=False, recompile_warn_threshold=3)
     with pytest.warns(UserWarning, match=r"GPTBlock recompiled 3 times.*size mismatch"):
         trainer(tmp_path, strategy, steps=6).fit(gpt(), VaryingLengths(block_size=16, batch_size=4))
-
-
-class WithUnusedBlocks(GPTModule):
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.unused = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-
-
-def test_regions_never_called_are_an_info_line_after_the_first_step_not_a_warning(tmp_path, caplog):
-    caplog.set_level(logging.INFO)
-    model = WithUnusedBlocks(vocab_size=data().vocab_size, **SMALL)
-    strategy = RegionalCompileStrategy(backend="eager")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RegionNotCompiledWarning)
-        trainer(tmp_path, strategy, steps=2).fit(model, data())
-    assert "2 region(s) not called in the first step" in caplog.text and "unused.0-1" in caplog.text
 
 
 def test_the_cache_is_the_users_own_unless_a_folder_is_named_and_is_restored(tmp_path, monkeypatch):

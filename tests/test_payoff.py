@@ -1,13 +1,14 @@
-"""Compile that pays, or steps aside (``keep_if_faster``, ``gate/``): the strategy
-times the run's own steps compiled, then eager, and keeps the faster; a revert keeps
-training as eager would, with the tie, the parameters, the optimizer and the keys."""
+"""Compile that pays, or steps aside (``keep_if_faster``, ``gate/``), on real Trainer and
+Fabric runs: the strategy times the run's own steps compiled, then eager, and keeps the
+faster; a revert keeps training as eager would, with the tie, the parameters, the
+optimizer and the keys. The gate's rules on scripted steps: ``test_clock.py``,
+``test_decision.py``, ``test_gate.py``."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import gc
-import os
 import pickle
 import statistics
 import time
@@ -22,19 +23,20 @@ from helpers import (
     BlockStack,
     SlowAotEager,
     data,
+    elements_of,
     gpt,
+    left_out_of,
+    ms_of,
     one_intra_op_thread,
     trainer,
 )
-from processes import free_port
 from torch import nn
 
 from examples.lightning_gpt import GPTModule
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
-from lightning_regions.core.compile import WhileTraining, compile_regions
+from lightning_regions.core.compile import WhileTraining
 from lightning_regions.gate import gate as payoff
-from lightning_regions.gate.clock import COLLECTED_IN_STEP, COMPILED_IN_STEP, StepClock, TimedStep
-from lightning_regions.gate.decision import at_one_size, phase_result
+from lightning_regions.gate.clock import COLLECTED_IN_STEP, COMPILED_IN_STEP
 from lightning_regions.gate.gate import (
     CANDIDATE_SETTLE,
     CUDA_GRAPHS,
@@ -42,8 +44,6 @@ from lightning_regions.gate.gate import (
     SETTLE,
     WINDOW,
     Candidate,
-    Phase,
-    agreed_over_processes,
     passes_through,
 )
 
@@ -339,337 +339,6 @@ def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def ms_of(clock: StepClock) -> list[float]:
-    return [step.ms for step in clock.records()]
-
-
-def elements_of(clock: StepClock) -> list[int | None]:
-    return [step.elements for step in clock.records()]
-
-
-def left_out_of(clock: StepClock, reason: str) -> list[bool]:
-    return [step.left_out == reason for step in clock.records()]
-
-
-def test_a_step_is_timed_from_its_first_training_start_to_its_boundary():
-    """``StepClock``: a step starts at its first ``training_starts`` after a boundary
-    (gradient accumulation calls it again), else at the boundary itself; each ended step
-    is one record, of the way its boundary began."""
-    clock = StepClock(torch.device("cpu"))
-    clock.training_starts()  # before any boundary: no step to start
-    assert clock.steps == []
-    clock.mark("eager")
-    clock.training_starts()
-    began = clock.steps[0].start
-    clock.training_starts()  # the second micro-batch: the step began at the first
-    assert clock.steps[0].start == began
-    clock.mark("compiled")
-    clock.mark("eager")  # a step without a training start: from its boundary
-    first, second = (step.boundary for step in clock.steps[1:])
-    assert ms_of(clock) == [1000 * (first - began), 1000 * (second - first)]
-    assert [step.way for step in clock.records()] == ["eager", "compiled"]
-    assert clock.spans() == [(began, first), (first, second)]
-
-
-def test_steps_of_different_batch_sizes_are_compared_at_one_size():
-    """``at_one_size``: where the eager turns drew the longer batches, the raw medians
-    favour compiled, though it is 1.5x eager at every size; scaled to one size by the
-    exponent found within each way's turns, the medians say 1.5x. One size, or a size
-    not known, scales nothing; a step time that falls with size is not extrapolated."""
-    rows = [16, 4, 48, 12, 16, 4, 48, 12]  # eager's turns first, as the gate times them
-    ways = [i % 2 for i in range(8)]  # 0: eager
-    ms = [n * (1.5 if way else 1.0) for n, way in zip(rows, ways, strict=True)]
-    assert statistics.median(ms[1::2]) < statistics.median(ms[0::2])  # raw: "compiled"
-    scaled, scaling = at_one_size(ms, rows, ways)
-    assert statistics.median(scaled[1::2]) == pytest.approx(1.5 * statistics.median(scaled[0::2]))
-    assert (scaling.smallest, scaling.largest, scaling.reference) == (4, 48, 12)
-    assert scaling.exponent == pytest.approx(1.0)
-    assert str(scaling) == "batches of 4-48 elements, each step scaled to 12 by size^1.00"
-    recompiled = [*ms[:3], 50 * ms[3], *ms[4:]]  # one slow compiled step moves k little
-    assert at_one_size(recompiled, rows, ways)[1].exponent == pytest.approx(1.0)
-    assert at_one_size(ms, [8] * 8, ways) == (ms, None)
-    assert at_one_size(ms, [*rows[:7], None], ways) == (ms, None)
-    falling = [1 / n for n in rows]
-    assert at_one_size(falling, rows, ways)[1].exponent == 0.0
-
-
-def test_a_step_records_the_elements_of_its_micro_batches():
-    """``StepClock.training_starts(batch)``: each call adds its batch's tensors (found
-    in tuples, dicts, as Lightning finds them), so a step of accumulated gradients
-    counts all its micro-batches; a step given no batch has none."""
-    clock = StepClock(torch.device("cpu"))
-    clock.mark()
-    clock.training_starts(((torch.zeros(4, 3), {"mask": torch.zeros(4)}), 7))
-    clock.training_starts([torch.zeros(2, 3), "text"])
-    clock.mark()
-    clock.mark()
-    assert elements_of(clock) == [12 + 4 + 6, None]
-    assert clock.shapes() == {((4, 3), (4,)), ((2, 3),)}
-
-
-def test_a_step_that_compiled_is_marked_from_its_training_start():
-    """``StepClock.records``: a step is left out as compiled where the count grew between its
-    training's start (or its boundary) and the next boundary; a compile before its
-    training started (a validation's, between the boundary and the start) is not its."""
-    compiles = [0]
-    clock = StepClock(torch.device("cpu"), compiles=lambda: compiles[0])
-    clock.mark()
-    clock.training_starts()
-    compiles[0] += 1  # in the step
-    clock.mark()
-    compiles[0] += 1  # a validation's compile, before the step's training
-    clock.training_starts()
-    clock.mark()
-    compiles[0] += 1  # no training start: from the boundary
-    clock.mark()
-    clock.mark()
-    assert left_out_of(clock, COMPILED_IN_STEP) == [True, False, True, False]
-
-
-def test_a_step_in_which_python_collected_its_oldest_generation_is_marked():
-    """``StepClock.records``: a step is left out as collected, on Python's own count
-    (``full_collections``): a ``gc.collect()`` in a step's training marks it; one before
-    its training started (a validation's) does not, nor a young generation's collection."""
-    clock = StepClock(torch.device("cpu"))
-    clock.mark()
-    clock.training_starts()
-    gc.collect()
-    clock.mark()
-    gc.collect()  # between the boundary and the training's start
-    clock.training_starts()
-    gc.collect(0)
-    clock.mark()
-    assert left_out_of(clock, COLLECTED_IN_STEP) == [True, False]
-    assert left_out_of(clock, COMPILED_IN_STEP) == [False, False]
-
-
-def steps_of(
-    ms: list[float],
-    phase: Phase,
-    compiled: set[int] = frozenset(),
-    collected: set[int] = frozenset(),
-) -> list[TimedStep]:
-    """Timed steps of ``phase`` that took ``ms`` (the challenger's turn first), those at
-    ``compiled`` left out for compiling, at ``collected`` for a full collection."""
-    reasons = {i: COMPILED_IN_STEP for i in compiled} | {i: COLLECTED_IN_STEP for i in collected}
-    return [TimedStep(phase.way_of(i), t, None, reasons.get(i)) for i, t in enumerate(ms)]
-
-
-def phase_of(ms: list[float], candidate: Candidate | None = None) -> Phase:
-    """A phase of ``len(ms) // (2 * WINDOW)`` windows: compiled against eager, or
-    ``candidate`` against compiled."""
-    challenger = "eager" if candidate is None else candidate.name
-    phase = Phase("compiled", challenger, SETTLE + 1, candidate)
-    phase.windows = len(ms) // (2 * WINDOW)
-    return phase
-
-
-def agrees(ms: list[float], candidate: Candidate | None = None, compiled=frozenset()) -> bool:
-    phase = phase_of(ms, candidate)
-    return phase.agrees(steps_of(ms, phase, compiled))
-
-
-def test_turns_agree_where_every_pair_in_the_last_window_falls_on_one_side_of_the_edge():
-    """``Phase.agrees`` (``decision.turns_agree``): each pair of turns (the challenger's
-    step, then the incumbent's) says whether the way that must win by ``EDGE`` did
-    (compiled against eager; a candidate against compiled); the window's turns agree
-    where every pair says the same. A pair with a step that compiled is no pair; only the
-    last window's pairs count."""
-    faster, slower = [10.0, 8.0] * WINDOW, [10.0, 12.0] * WINDOW  # eager's turn first
-    assert agrees(faster) and agrees(slower)
-    assert agrees([10.0, 9.95] * WINDOW)  # 0.5% faster in all: never by the edge
-    one_off = [10.0, 8.0, 10.0, 8.0, 10.0, 12.0, 10.0, 8.0]
-    assert not agrees(one_off)
-    assert agrees(one_off, compiled={5})  # timed step 5 compiled
-    assert agrees(one_off + faster) and not agrees(faster + one_off)
-    candidate = Candidate("graphs", {})  # its turn first; it must win against compiled
-    assert agrees([8.0, 10.0] * WINDOW, candidate)
-    assert not agrees([8.0, 10.0, 12.0, 10.0] * (WINDOW // 2), candidate)
-
-
-class OneProcess:
-    """What the gate asks of a strategy, in a job of one process."""
-
-    root_device = torch.device("cpu")
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
-
-
-def gate_on_scripted_steps(compiled_turns: list[float], processes=None) -> tuple:
-    """A real ``CompilePayoff`` over a model whose regions are compiled in place, each step
-    taking 10 ms eager and, compiled, 8 ms while settling, then ``compiled_turns`` in turn
-    (the clock is the script's, the model is not run): the decision and its step."""
-    model = PointwiseStack(width=8, depth=3)
-    compile_regions(model, inplace=True, backend="eager")
-    gate, now, turns = payoff.CompilePayoff(), [0.0], iter(compiled_turns)
-    clock_now = StepClock._now
-    StepClock._now = lambda self: now[0]
-    try:
-        for step in range(1, 100):
-            if all(block._compiled_call_impl is None for block in model.blocks):
-                now[0] += 0.010
-            else:
-                now[0] += (next(turns) if step > 1 + SETTLE else 8.0) / 1000
-            decision = gate.at_step_boundary([model], processes or OneProcess())
-            if decision is not None:
-                return decision, step, gate.phases[0]
-    finally:
-        StepClock._now = clock_now
-    raise AssertionError("no decision")
-
-
-def test_turns_that_disagree_are_timed_again_and_every_window_counts():
-    """One compiled turn of four slower than eager: another window is timed, the medians
-    take both, and the decision says so; turns that disagree in every window are decided
-    by all ``MAX_WINDOWS``' medians, and turns that agree by one window's."""
-    decision, step, phase = gate_on_scripted_steps([8.0, 8.0, 8.0, 8.0])
-    assert (step, phase.windows, decision.windows, decision.chosen) == (11, 1, 1, "compiled")
-    decision, step, phase = gate_on_scripted_steps([8.0, 12.0, 8.0, 8.0] + [8.0] * 4)
-    assert (step, phase.windows, decision.chosen) == (11 + 2 * WINDOW, 2, "compiled")
-    assert len(phase.records()) == 4 * WINDOW
-    assert decision.compiled_ms == pytest.approx(8.0) and decision.eager_ms == pytest.approx(10)
-    assert f"({2 * WINDOW} steps a way: turns that disagreed were timed again)" in str(decision)
-    decision, step, phase = gate_on_scripted_steps([12.0, 12.0, 8.0, 12.0] * MAX_WINDOWS)
-    assert (step, phase.windows, decision.chosen) == (DECIDED_BY, MAX_WINDOWS, "eager")
-    assert decision.compiled_ms == pytest.approx(12.0)
-
-
-class GlooProcesses(OneProcess):
-    """A boolean decision that holds where it holds on every process (over gloo)."""
-
-    world_size = 2
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        flag = torch.tensor(int(decision))
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag)
-
-
-def scripted_gate_on_rank(rank: int, port: int, turns_by_rank: list, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        decision, step, phase = gate_on_scripted_steps(turns_by_rank[rank], GlooProcesses())
-        torch.save((step, phase.windows, decision.chosen), os.path.join(out, f"{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-@pytest.mark.ddp
-def test_every_rank_times_another_window_where_any_rank_s_turns_disagree(tmp_path):
-    """Rank 0's turns agree, rank 1's do not: both time a second window (one all-reduce
-    at each window's end), so they decide at the same step, the same way."""
-    turns = [[8.0] * 8, [8.0, 12.0, 8.0, 8.0] + [8.0] * 4]
-    args = (free_port(), turns, str(tmp_path))
-    torch.multiprocessing.spawn(scripted_gate_on_rank, args=args, nprocs=2)
-    expected = (DECIDED_AFTER + 2 * WINDOW, 2, "compiled")
-    assert [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)] == [expected, expected]
-
-
-def test_steps_that_compiled_or_collected_are_left_out_unless_a_way_would_have_none():
-    """Two of compiled's four timed steps recompiled: counted, compiled's median is
-    eager's 25x; left out, it is its own steps' 0.5x, and the result says how many were
-    left out; one that ran a full garbage collection is left out the same way, and said
-    apart. Where every step of one way compiled, all count."""
-    ms = [10.0, 5.0, 10.0, 500.0, 10.0, 700.0, 10.0, 5.0]
-    phase = phase_of(ms)
-    counted = phase.result(steps_of(ms, phase))
-    assert (counted.incumbent_ms, counted.challenger_ms) == pytest.approx((252.5, 10.0))
-    left_out = phase.result(steps_of(ms, phase, compiled={3, 5}))
-    assert (left_out.incumbent_ms, left_out.challenger_ms) == pytest.approx((5.0, 10.0))
-    assert left_out.uncounted == 2 and left_out.notes() == [
-        "2 timed steps that compiled not counted"
-    ]
-    collected = phase.result(steps_of(ms, phase, compiled={3}, collected={5}))
-    assert (collected.incumbent_ms, collected.challenger_ms) == pytest.approx((5.0, 10.0))
-    assert (collected.uncounted, collected.collected) == (1, 1)
-    expected = "1 timed step that compiled and 1 step with a full garbage collection not counted"
-    assert collected.notes() == [expected]
-    every = phase_result(steps_of(ms, phase, compiled={1, 3, 5, 7}), "compiled", "eager")
-    assert (every.incumbent_ms, every.challenger_ms) == pytest.approx((252.5, 10.0))
-    assert every.uncounted == 0 and every.notes() == []
-
-
-class TwoGlooProcesses:
-    """What ``agreed_over_processes`` asks of a strategy, in a process of two."""
-
-    world_size = 2
-    root_device = torch.device("cpu")
-
-
-def timed(elements: list, compiled: list[bool], collected: list[bool]) -> list[TimedStep]:
-    """A phase's timed steps on one rank: their elements, and which compiled or
-    collected (a compile is said first); each step's milliseconds are its index."""
-    reasons = [
-        COMPILED_IN_STEP if c else COLLECTED_IN_STEP if g else None
-        for c, g in zip(compiled, collected, strict=True)
-    ]
-    ways = ["eager", "compiled"] * (len(elements) // 2)
-    return [
-        TimedStep(w, float(i), n, r)
-        for i, (w, n, r) in enumerate(zip(ways, elements, reasons, strict=True))
-    ]
-
-
-def agreed_on_rank(rank: int, port: int, phases_by_rank: list, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        agreed = agreed_over_processes(phases_by_rank[rank], TwoGlooProcesses())
-        own = [[(s.way, s.ms) for s in steps] for steps in phases_by_rank[rank]]
-        assert [[(s.way, s.ms) for s in steps] for steps in agreed] == own  # its own times
-        steps = [
-            (
-                [s.elements for s in steps],
-                [s.left_out == COMPILED_IN_STEP for s in steps],
-                [s.left_out == COLLECTED_IN_STEP for s in steps],
-            )
-            for steps in agreed
-        ]
-        torch.save(steps, os.path.join(out, f"{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-@pytest.mark.ddp
-def test_every_rank_scales_by_the_largest_batch_and_leaves_out_any_rank_s_compiles(tmp_path):
-    """A synchronous DDP step takes about as long as its slowest rank's: every rank's
-    gate sees, for each timed step, the most elements any rank had, and a compile (or a
-    full garbage collection) where any rank had one (one all-reduce over gloo); a phase
-    that one rank lacks a size for
-    is unscaled on all; one that did not run has no steps; one of several windows
-    (``MAX_WINDOWS``) keeps all its steps."""
-    width = 2 * WINDOW
-    no, at_1, at_6 = [False] * width, [i == 1 for i in range(width)], [i == 6 for i in range(width)]
-    longest = 2 * WINDOW * MAX_WINDOWS
-    at_3, at_4 = [i == 3 for i in range(width)], [i == 4 for i in range(width)]
-    rank0 = [
-        timed([10, 40] * WINDOW, at_1, at_3),
-        timed([5] * width, no, no),
-        timed([], [], []),
-        timed([3] * longest, [False] * (longest - 1) + [True], [False] * longest),
-    ]
-    rank1 = [
-        timed([30, 20] * WINDOW, at_6, at_4),
-        timed([5] * (width - 1) + [None], no, at_1),
-        timed([], [], []),
-        timed([4] * longest, [False] * longest, [False] * longest),
-    ]
-    args = (free_port(), [rank0, rank1], str(tmp_path))
-    torch.multiprocessing.spawn(agreed_on_rank, args=args, nprocs=2)
-    either, collected = [i in (1, 6) for i in range(width)], [i in (3, 4) for i in range(width)]
-    last, none = [False] * (longest - 1) + [True], [False] * longest
-    expected = [
-        ([30, 40] * WINDOW, either, collected),
-        ([None] * width, no, at_1),
-        ([], [], []),
-        ([4] * longest, last, none),
-    ]
-    assert [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)] == [expected, expected]
-    assert agreed_over_processes(rank0, object()) == rank0  # one process: its own
-
-
 #: A validation every 2 steps lands on one way's turns alone (turns go step by step):
 #: timed in the steps, it would add to that way's figures. The tests below check that no
 #: timed step's span overlaps a validation's, on the clock the gate reads, so how long a
@@ -870,33 +539,6 @@ def test_cuda_graphs_that_inductor_skipped_do_not_count_and_a_faster_candidate_i
     assert not skipped.counts and "inductor skipped CUDA graphs" in skipped.note, decision
     assert timed.counts and decision.chosen == "inductor", decision
     assert "regions kept compiled, with inductor" in str(region_report(module))
-
-
-def test_cuda_graphs_are_a_candidate_only_where_known_to_be_safe():
-    from lightning_regions.gate.gate import cuda_graphs_candidate
-    from lightning_regions.options import RegionalOptions
-
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    plain = RegionalOptions()
-    candidate = cuda_graphs_candidate(plain, cuda, single_process=True, plain_steps=True)
-    assert candidate is not None and candidate.cuda_graphs
-    assert candidate.compile_kwargs == {**plain.compile_kwargs, "mode": "reduce-overhead"}
-    no_graphs = RegionalOptions(mode="max-autotune-no-cudagraphs")
-    assert cuda_graphs_candidate(no_graphs, cuda, True, True).compile_kwargs["mode"] == (
-        "reduce-overhead"
-    )
-    refused = [
-        (plain, cpu, True, True),  # no CUDA
-        (plain, cuda, False, True),  # several processes (DDP, FSDP) or DeepSpeed's hooks
-        (plain, cuda, True, False),  # gradient accumulation
-        (RegionalOptions(mode="reduce-overhead"), cuda, True, True),  # the user's own choice
-        (RegionalOptions(mode="max-autotune"), cuda, True, True),  # has them already
-        (RegionalOptions(backend="aot_eager"), cuda, True, True),
-        (RegionalOptions(options={"max_autotune": True}), cuda, True, True),
-        (RegionalOptions(granularity="nested"), cuda, True, True),
-    ]
-    for options, device, single, steps in refused:
-        assert cuda_graphs_candidate(options, device, single, steps) is None, options
 
 
 @pytest.mark.parametrize("eager_hooks", [False, True])

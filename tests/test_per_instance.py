@@ -35,7 +35,6 @@ from lightning_regions import (
     region_report,
 )
 from lightning_regions.core.kv_cache import disable_kv_cache_unless_asked, restore_kv_cache
-from lightning_regions.core.watch import parse_guard
 
 STEPS = 3
 
@@ -243,27 +242,6 @@ def test_a_per_instance_callable_class_is_reported_by_its_guard(tmp_path):
     assert "___check_type_id(self.activation" in message
     assert "the same object and class" in message
     assert len(region_report(model).never_ran_compiled) == 4
-
-
-def test_recompile_reasons_parse_into_guard_source_and_location():
-    reason = (
-        "0/7: self.layer_idx == 7            # return x * self.layer_idx  # a/b.py:14 in "
-        "forward (HINT: torch.compile considers integer attributes ...)\nUser stack trace:\n"
-    )
-    guard = parse_guard(reason)
-    assert guard.expression == "self.layer_idx == 7"
-    assert guard.source == "return x * self.layer_idx"
-    assert guard.location == "a/b.py:14 in forward"
-    assert parse_guard("0/1: tensor 'x' requires_grad mismatch").on_input_tensor
-    # a float torch < 2.13 specialised after its restart: no user line, torch's forms
-    for older in (
-        "0/2: ___as_tensor(self.drop_prob).item() == 0.01  # (unknown source "
-        "___as_tensor(self.drop_prob).item(), please file a bug)",
-        "0/2: self.drop_prob == 0.01  # (_dynamo/output_graph.py:3205 in "
-        "remove_tensorify_specialized_graphargs)",
-    ):
-        assert parse_guard(older) == parse_guard("0/2: self.drop_prob == 0.01")
-        assert parse_guard(older).expression == "self.drop_prob == 0.01"
 
 
 def test_the_int_flag_is_restored_when_the_last_holder_lets_go():
