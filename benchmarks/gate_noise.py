@@ -32,7 +32,8 @@ from torch import nn  # noqa: E402
 from benchmarks.harness import save_results  # noqa: E402
 from benchmarks.steady_step import OneProcess  # noqa: E402
 from lightning_regions import compile_regions  # noqa: E402
-from lightning_regions.core.compile import COMPILED, use_region_calls  # noqa: E402
+from lightning_regions.core.calls import COMPILED  # noqa: E402
+from lightning_regions.core.compile import use_region_calls  # noqa: E402
 from lightning_regions.gate import gate as payoff  # noqa: E402
 from lightning_regions.gate.clock import StepClock  # noqa: E402
 

@@ -23,6 +23,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
             "core/graph",
             "core/nested",
             "core/trampolines",
+            "core/calls",
             "core/kv_cache",
             "core/regions",
             "core/variants",

@@ -34,7 +34,7 @@ from torch import nn
 
 from examples.lightning_gpt import GPTModule
 from lightning_regions import RegionalCompileStrategy, TiedWeightsCheck, region_report
-from lightning_regions.core.compile import WhileTraining
+from lightning_regions.core.calls import WhileTraining
 from lightning_regions.gate import gate as payoff
 from lightning_regions.gate.clock import COLLECTED_IN_STEP, COMPILED_IN_STEP
 from lightning_regions.gate.gate import (

@@ -21,7 +21,6 @@ from ..compat import (
     OptimizedModule,
     compiled_call,
     compiled_source,
-    dynamo_original_callable,
     registered_children,
     set_compiled_call,
     set_compiled_source,
@@ -391,24 +390,6 @@ def tracker_of(module: nn.Module) -> RegionTracker | None:
     return module.__dict__.get(TRACKER_ATTRIBUTE)
 
 
-#: The names of a region's own ways to run, beside the calls ``add_region_calls`` adds:
-#: its compiled call, eager, and eager for training calls alone (the others compiled).
-COMPILED, EAGER, EAGER_WHILE_TRAINING = "compiled", "eager", "eager while training"
-
-
-class WhileTraining:
-    """A region's call that runs ``training`` where autograd records (a training step)
-    and ``otherwise`` elsewhere (validation, generation, ``no_grad``)."""
-
-    def __init__(self, training: Callable[..., Any], otherwise: Callable[..., Any]) -> None:
-        self.training = training
-        self.otherwise = otherwise
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = self.training if torch.is_grad_enabled() else self.otherwise
-        return call(*args, **kwargs)
-
-
 def add_region_calls(module: nn.Module, name: str, compile_kwargs: dict[str, Any]) -> None:
     """Compile each region of ``module`` (compiled in place) again by ``compile_kwargs``
     (``torch.compile``'s), for training calls, and keep the result beside its compiled
@@ -416,18 +397,18 @@ def add_region_calls(module: nn.Module, name: str, compile_kwargs: dict[str, Any
     a region runs it; calls outside training keep the first compiled call."""
     kwargs = tracked_backend_kwargs(compile_kwargs)
     for observer in _compiled_in_place(module).observers:
-        observer.alternatives[name] = _for_training(
-            observer.call, lambda entry: torch.compile(entry, **kwargs)
-        )
+        observer.calls.add(name, lambda entry: torch.compile(entry, **kwargs))
 
 
-def _for_training(call: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
-    """A region's call that runs ``make(entry)`` for training calls, where ``entry`` is
-    what its compiled ``call`` compiled, and ``call`` for the others."""
-    if isinstance(call, CompiledForward):
-        training = make(_uncompiled(call.compiled))
-        return CompiledForward(call.module, WhileTraining(training, call.compiled))
-    return WhileTraining(make(_uncompiled(call)), call)
+def use_region_calls(module: nn.Module, name: str) -> None:
+    """Run the regions ``compile_regions(module, inplace=True)`` compiled by ``name``
+    (``calls.RegionCalls.use``): ``"compiled"``, ``"eager"``, ``"eager while training"``
+    or a name given to ``add_region_calls``. In place: parameters, hooks and
+    ``state_dict`` keys are untouched, and a call already compiled compiles nothing
+    again. Ends their observation."""
+    for observer in _compiled_in_place(module).observers:
+        observer.end()
+        observer.calls.use(name)
 
 
 def _compiled_in_place(module: nn.Module) -> RegionTracker:
@@ -436,32 +417,6 @@ def _compiled_in_place(module: nn.Module) -> RegionTracker:
     if tracker is None:
         raise ValueError(f"{type(module).__name__} has no regions compiled in place.")
     return tracker
-
-
-def _uncompiled(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """What ``torch.compile`` compiled into ``compiled``."""
-    return cast(Callable[..., Any], dynamo_original_callable(compiled))
-
-
-def use_region_calls(module: nn.Module, name: str) -> None:
-    """Run the regions ``compile_regions(module, inplace=True)`` compiled by ``name``:
-    ``"compiled"`` (their compiled calls), ``"eager"`` (each compiled call set aside),
-    ``"eager while training"`` (eager where autograd records, compiled elsewhere) or a
-    name given to ``add_region_calls``. In place: parameters, hooks and ``state_dict``
-    keys are untouched, and a call already compiled compiles nothing again. Ends their
-    observation."""
-    for observer in _compiled_in_place(module).observers:
-        observer.end()
-        if name == COMPILED:
-            observer.slot[observer.key] = observer.call
-        elif name == EAGER_WHILE_TRAINING:
-            observer.slot[observer.key] = _for_training(observer.call, lambda entry: entry)
-        elif name != EAGER:
-            observer.slot[observer.key] = observer.alternatives[name]
-        elif observer.key == FORWARD:  # a compiled forward (eager_hooks): the class's again
-            observer.slot.pop(FORWARD, None)
-        else:
-            observer.slot[observer.key] = None
 
 
 def end_observation(module: nn.Module) -> None:

@@ -49,6 +49,7 @@ from ..compat import (
     graphs_held,
     recompile_limit,
 )
+from .calls import COMPILED, RegionCalls
 from .graph import unwrap
 from .nested import GraphNesting, explain_nested_failure, graph_nesting
 from .regions import RegionPlan
@@ -333,11 +334,9 @@ class ObservedRegion:
     ) -> None:
         self.stats = stats
         self.frames = frames
-        self.slot = slot
-        self.key = key
-        self.call: CompiledFn = slot[key]
-        #: Other compiled calls of the region, by name (``compile.add_region_calls``).
-        self.alternatives: dict[str, Any] = {}
+        #: The region's ways to run, in its slot (``calls.RegionCalls``).
+        self.calls = RegionCalls(slot, key, slot[key])
+        self.call: CompiledFn = self.calls.compiled
         self.limit = limit
         backend.start_observing()
         self._stop = weakref.finalize(self, backend.stop_observing)
@@ -387,8 +386,9 @@ class ObservedRegion:
         return super().__reduce__()
 
     def end(self) -> None:
-        if self.slot.get(self.key) is self:
-            self.slot[self.key] = self.call
+        calls = self.calls
+        if calls.slot.get(calls.key) is self:
+            calls.use(COMPILED)
         self._stop()  # runs once
 
 

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.compile import COMPILED, EAGER
+from ..core.calls import COMPILED, EAGER
 from .clock import COLLECTED_IN_STEP, COMPILED_IN_STEP, TimedStep
 
 #: The range of ``k`` in a step's time growing as its batch's elements ``** k``.

@@ -75,7 +75,8 @@ from typing import Any, Protocol
 import torch
 
 from ..compat import cudagraph_skips
-from ..core.compile import COMPILED, EAGER, add_region_calls, tracker_of, use_region_calls
+from ..core.calls import COMPILED, EAGER
+from ..core.compile import add_region_calls, tracker_of, use_region_calls
 from ..options import RegionalOptions
 from .clock import COLLECTED_IN_STEP, COMPILED_IN_STEP, StepClock, TimedStep
 from .decision import (

@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from ..core.compile import EAGER_WHILE_TRAINING, tracker_of
+from ..core.calls import EAGER_WHILE_TRAINING
+from ..core.compile import tracker_of
 from ..gate.gate import TrainingForwardHook
 from ..options import takes_options
 from .trainer import RegionalCompileBase

@@ -32,7 +32,8 @@ from ..compat import (
     compiled_by_torch_compile_context,
     compiled_call,
 )
-from ..core.compile import COMPILED, EAGER, tracker_of
+from ..core.calls import COMPILED, EAGER
+from ..core.compile import tracker_of
 from ..core.recipe import CompileRecipe
 from ..core.regions import RegionPlan, find_regions
 from ..diagnosis.report import region_report
