@@ -240,7 +240,7 @@ SPECIALISED_FLOAT_GUARD_WITHOUT_SOURCE = TorchGate(
         "remove_tensorify_specialized_graphargs)`; 2.13+ `self.scale == 0.1  # <the line>`"
     ),
     we_do="watch.parse_guard reads each form as the attribute's guard, with no source line",
-    test="tests/test_per_instance.py::test_recompile_reasons_parse_into_guard_source_and_location",
+    test="tests/test_watch.py::test_recompile_reasons_parse_into_guard_source_and_location",
 )
 
 NESTED_REUSE_LIMIT = TorchGate(
