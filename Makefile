@@ -1,10 +1,22 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
+#: What the demo needs, at requirements.txt's pins: the package (torch, Lightning,
+#: torchmetrics, jsonargparse) and accelerate for its side-by-side row.
+DEMO_PINS = $(shell grep -E '^(torch|lightning|torchmetrics|accelerate)==' requirements.txt)
 
-.PHONY: install test test-torch test-slow lint demo bench gpu-check gpu-wheels clean
+.PHONY: install install-demo test test-torch test-slow lint demo bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
+
+install-demo: $(DEMO_STAMP)
+
+$(DEMO_STAMP): requirements.txt setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(DEMO_PINS) -e ".[accelerate]"
+	touch $(DEMO_STAMP)
 
 $(STAMP): requirements.txt requirements-deepspeed.txt setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,7 +56,8 @@ test-torch:
 test-slow: install
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -m slow
 
-demo: install
+# The demo installs only what it needs (make test adds the test extras to the same venv).
+demo: $(if $(wildcard $(STAMP)),install,install-demo)
 	$(PY) examples/demo.py
 
 bench: install
