@@ -36,7 +36,13 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     ),
     "judge and report": (
         2,
-        ("diagnosis/__init__", "diagnosis/judge", "diagnosis/report", "diagnosis/tiecheck"),
+        (
+            "diagnosis/__init__",
+            "diagnosis/judge",
+            "diagnosis/pieces",
+            "diagnosis/report",
+            "diagnosis/tiecheck",
+        ),
     ),
     "the background compile": (
         2,

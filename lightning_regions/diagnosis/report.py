@@ -3,7 +3,7 @@
 ``region_report(model)`` reads the tracker that ``compile_regions`` left on the model
 and returns plain data that tests and benchmarks use; ``str()`` of it is the table the
 strategy logs. It assembles and formats only: every judgement (what is wrong, what is
-bounded, what fixes it) is ``judge.py``'s.
+bounded, what fixes it) is ``judge.py``'s and ``pieces.py``'s.
 """
 
 from __future__ import annotations
@@ -22,18 +22,14 @@ from ..core.variants import ClassVariants, find_variants
 from ..core.watch import ClassRecompiles, FrameCompile, graph_breaks, parse_guard
 from .judge import (
     ClassRun,
-    DDPSplit,
     LimitFilledByOthers,
     PerInstanceRecompiles,
-    RegionFrames,
-    RegionGraphBreaks,
-    find_ddp_splits,
-    find_graph_breaks,
     judge_limit_filled,
     judge_nested_traced,
     judge_recompiles,
     uncontrolled_kv_caches,
 )
+from .pieces import DDPSplit, RegionFrames, RegionGraphBreaks, find_ddp_splits, find_graph_breaks
 
 
 class RegionNotCompiledWarning(UserWarning):
