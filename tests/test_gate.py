@@ -5,7 +5,9 @@ gloo processes, and where CUDA graphs are a candidate."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,16 +35,26 @@ class OneProcess:
         return decision
 
 
+@contextlib.contextmanager
+def scripted_clock() -> Iterator[list[float]]:
+    """The gate's clock reads ``now[0]`` (seconds) instead of the wall clock."""
+    now = [0.0]
+    clock_now = StepClock._now
+    StepClock._now = lambda self: now[0]
+    try:
+        yield now
+    finally:
+        StepClock._now = clock_now
+
+
 def gate_on_scripted_steps(compiled_turns: list[float], processes=None) -> tuple:
     """A real ``CompilePayoff`` over a model whose regions are compiled in place, each step
     taking 10 ms eager and, compiled, 8 ms while settling, then ``compiled_turns`` in turn
     (the clock is the script's, the model is not run): the decision and its step."""
     model = BlockStack([nn.Linear(8, 8) for _ in range(3)])
     compile_regions(model, inplace=True, backend="eager")
-    gate, now, turns = payoff.CompilePayoff(), [0.0], iter(compiled_turns)
-    clock_now = StepClock._now
-    StepClock._now = lambda self: now[0]
-    try:
+    gate, turns = payoff.CompilePayoff(), iter(compiled_turns)
+    with scripted_clock() as now:
         for step in range(1, 100):
             if all(block._compiled_call_impl is None for block in model.blocks):
                 now[0] += 0.010
@@ -51,8 +63,6 @@ def gate_on_scripted_steps(compiled_turns: list[float], processes=None) -> tuple
             decision = gate.at_step_boundary([model], processes or OneProcess())
             if decision is not None:
                 return decision, step, gate.phases[0]
-    finally:
-        StepClock._now = clock_now
     raise AssertionError("no decision")
 
 
@@ -114,11 +124,8 @@ def test_a_way_must_win_by_the_edge_and_the_decision_never_flips_back():
     assert (decision.chosen, step) == ("compiled", DECIDED_AFTER)
     model = BlockStack([nn.Linear(8, 8) for _ in range(3)])
     compile_regions(model, inplace=True, backend="eager")
-    gate, now = payoff.CompilePayoff(), [0.0]
-    clock_now = StepClock._now
-    StepClock._now = lambda self: now[0]
-    try:
-        decided = None
+    gate, decided = payoff.CompilePayoff(), None
+    with scripted_clock() as now:
         for _step in range(1, DECIDED_BY + 20):
             compiled = any(block._compiled_call_impl is not None for block in model.blocks)
             if decided is None:  # compiled clearly faster until the decision
@@ -130,8 +137,6 @@ def test_a_way_must_win_by_the_edge_and_the_decision_never_flips_back():
             if decided is not None and made is None:
                 assert gate.decision is decided and decided.chosen == "compiled"
                 assert all(block._compiled_call_impl is not None for block in model.blocks)
-    finally:
-        StepClock._now = clock_now
     assert decided is not None and gate.decision is decided
 
 

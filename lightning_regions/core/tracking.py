@@ -336,11 +336,15 @@ class ObservedRegion:
         self.frames = frames
         #: The region's ways to run, in its slot (``calls.RegionCalls``).
         self.calls = RegionCalls(slot, key, slot[key])
-        self.call: CompiledFn = self.calls.compiled
         self.limit = limit
         backend.start_observing()
         self._stop = weakref.finalize(self, backend.stop_observing)
         slot[key] = self
+
+    @property
+    def call(self) -> CompiledFn:
+        """torch's compiled call of the region, which this one stands in for."""
+        return self.calls.compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         running = _RunningRegion(self.stats)

@@ -175,8 +175,8 @@ class PayoffDecision:
 
     against_eager: PhaseResult
     chosen: str
-    candidates: tuple[Figure, ...] = ()
-    window: int = 4
+    candidates: tuple[Figure, ...]
+    window: int
 
     @property
     def compiled_ms(self) -> float:

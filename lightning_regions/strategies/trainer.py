@@ -62,7 +62,7 @@ class RegionalCompileBase:
     #: Whether the engine's hooks on each region run eager, outside its compiled forward
     #: (``compile_regions(eager_hooks=True)``; DeepSpeed's strategy sets it).
     eager_hooks = False
-    #: What the keep-or-revert gate's eager turns run (``payoff.CompilePayoff``): every
+    #: What the keep-or-revert gate's eager turns run (``gate.CompilePayoff``): every
     #: call eager; the Trainer's teardown puts the compiled calls back after a run that
     #: stopped mid-turn.
     EAGER_TURN = EAGER
@@ -198,10 +198,6 @@ class RegionalCompileBase:
         """What the engine does to the regions once they are compiled in place (none
         here; FSDP2 shards then where it compiles before sharding)."""
 
-    #: Whether the regions compile in ``model_to_device`` (else in a hook of the
-    #: engine's own, before it wraps the model: FSDP1's and DeepSpeed's).
-    compiles_in_model_to_device = True
-
     def at_step_boundary(self, *modules: Any, phase: str = "training") -> None:
         """After a step's optimizer steps: until the background switch, its step boundary
         (which may compile the regions now); then report each of ``modules`` (the
@@ -210,8 +206,8 @@ class RegionalCompileBase:
         background = self.background
         if background is not None and not background.switched:
             if background.at_step_boundary(self):  # the switch: compile now, warm
-                target = (background.module, background.root_is_called, background.plan)
-                self._compile_now(*target, background.recipe)
+                module, plan = background.module, background.plan
+                self._compile_now(module, background.root_is_called, plan, background.recipe)
                 background.warm_evaluation()
             return
         first = not all(self.reporter.has_reported(module) for module in modules)
@@ -263,6 +259,10 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     (docs/usage.md). Takes the regional options and the strategy's own arguments, all
     keyword-only.
     """
+
+    #: Whether the regions compile in ``model_to_device`` (else in a hook of the
+    #: engine's own, before it wraps the model: FSDP1's and DeepSpeed's).
+    compiles_in_model_to_device = True
 
     def attached_trainer(self) -> Any:
         """The Trainer of the LightningModule, or None before one is attached
