@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ..compat import fabric_original_module
 from ..core.graph import ModuleGraph, snapshot
+from ..lightning_compat import fabric_original_module
 
 
 class TiedWeightsError(RuntimeError):

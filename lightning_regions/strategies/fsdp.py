@@ -29,9 +29,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from ..compat import model_parallel_sizes, set_model_parallel_sizes
 from ..core.regions import RegionPlan
 from ..core.sharding import fsdp_data_parallel_size, mixed_precision_policy, shard_by_plan
+from ..lightning_compat import model_parallel_sizes, set_model_parallel_sizes
 from ..options import RegionalOptions, refuse_background_and_nested, takes_options
 from .trainer import RegionalCompileMixin
 

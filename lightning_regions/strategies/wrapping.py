@@ -4,7 +4,7 @@ own at setup: FSDP1 (``FSDPStrategy``, ``FullyShardedDataParallel``) and DeepSpe
 
 Neither calls ``model_to_device`` in ``setup``: FSDP1 moves the model as it wraps it,
 and DeepSpeed's engine moves it. Both pass the model, in its precision, through
-Lightning's wrap hook (``compat.LIGHTNING_WRAP_HOOK``) first, and that is where the
+Lightning's wrap hook (``lightning_compat.LIGHTNING_WRAP_HOOK``) first, and that is where the
 regions compile in place here: before the wrapper sees the model, as DDP's regions do in
 ``model_to_device``. Compiled in place, a block keeps its identity, parameters, hooks and
 ``state_dict`` keys, so FSDP1's auto-wrap policy finds it by its class.
@@ -18,7 +18,7 @@ dynamo then traces into ZeRO-3's hooks, breaks graphs on them, compiles DeepSpee
 frames and reaches its recompile limit there, and on a GPU the training diverged from
 plain DeepSpeed (issue 51's measurement). So here each region's ``forward`` alone is
 compiled (``compile_regions(eager_hooks=True)``), under every stage, and under ZeRO-3
-each region is a ZeRO-3 leaf (``compat.set_zero3_leaf``): ZeRO-3 hooks the region itself,
+each region is a ZeRO-3 leaf (``set_zero3_leaf``): ZeRO-3 hooks the region itself,
 gathering all its parameters before its forward, and nothing inside it. Every DeepSpeed
 hook then runs eager, outside the compiled code, as under plain DeepSpeed.
 
@@ -35,8 +35,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from torch import nn
 from typing_extensions import override
 
-from ..compat import lightning_wrap_model, set_zero3_leaf, trace_zero3_linear_as_torch_linear
+from ..compat import trace_zero3_linear_as_torch_linear
 from ..core.regions import RegionPlan
+from ..lightning_compat import lightning_wrap_model
 from ..options import refuse_background_and_nested, split_options, takes_options
 from .trainer import RegionalCompileMixin
 
@@ -182,3 +183,12 @@ class RegionalCompileDeepSpeedStrategy(RegionalCompileWrappedMixin, DeepSpeedStr
                 override=True,
                 **arguments,
             )
+
+
+def set_zero3_leaf(module: nn.Module) -> None:
+    """Make ``module`` a ZeRO-3 leaf (``deepspeed.utils.set_z3_leaf_module``): ZeRO-3 then
+    hooks it alone, gathering all its parameters before its forward, and none of its
+    descendants. Before ``deepspeed.initialize``."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    set_z3_leaf_module(module, True)
