@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from dataclasses import dataclass
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -85,6 +86,9 @@ PRIVATE_APIS = (
         "telling the pieces of DDP's graph split from graph breaks",
     ),
     ("torch.utils._pytree", "tree_unflatten", "shipping a region's example inputs"),
+    ("torch._dynamo", "callback_handler", "showing a compile while it runs"),
+    ("torch._dynamo.callback", "CallbackTrigger", "showing what compiles"),
+    ("torch._dynamo.utils", "get_chromium_event_logger", "the phase a compile is in"),
 )
 
 #: The slots every ``nn.Module`` instance keeps its registrations in (``__init__`` sets
@@ -137,11 +141,12 @@ def require_torch_apis() -> None:
 require_torch_apis()  # before the imports below touch any of them
 
 # The private names, for the rest of the package.
+from torch._dynamo import callback_handler as compile_callbacks  # noqa: E402
 from torch._dynamo import eval_frame as _eval_frame  # noqa: E402
 from torch._dynamo import exc as _dynamo_exc  # noqa: E402
 from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
 from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
-from torch._dynamo.utils import get_compilation_metrics  # noqa: E402
+from torch._dynamo.utils import get_chromium_event_logger, get_compilation_metrics  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir  # noqa: E402
 from torch._inductor.runtime.cache_dir_utils import (  # noqa: E402
@@ -158,6 +163,7 @@ __all__ = [
     "LazyGraphModule",
     "OptimizedModule",
     "clear_inductor_caches",
+    "compile_callbacks",
     "default_inductor_cache_dir",
     "dynamo_counters",
     "get_compilation_metrics",
@@ -488,15 +494,6 @@ def call_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 FORWARD = "forward"
 
 
-def set_zero3_leaf(module: nn.Module) -> None:
-    """Make ``module`` a ZeRO-3 leaf (DeepSpeed's ``deepspeed.utils.set_z3_leaf_module``):
-    ZeRO-3 then hooks it alone, gathering all its parameters
-    before its forward, and none of its descendants. Before ``deepspeed.initialize``."""
-    from deepspeed.utils import set_z3_leaf_module
-
-    set_z3_leaf_module(module, True)
-
-
 @functools.cache
 def trace_zero3_linear_as_torch_linear() -> None:
     """Have dynamo trace DeepSpeed ZeRO-3's replacement of ``F.linear`` as torch's own
@@ -531,24 +528,6 @@ def set_compiled_source(module: nn.Module, source: nn.Module) -> None:
 LAZY_FORWARD = "_lazy_forward"
 
 
-#: The hook where Lightning's ``DDPStrategy``, ``FSDPStrategy`` (FSDP1) and
-#: ``DeepSpeedStrategy`` take the model, in its precision, to wrap it (DeepSpeed's hands it
-#: on to ``deepspeed.initialize``). Private, but each of those strategies overrides it.
-LIGHTNING_WRAP_HOOK = "_setup_model"
-
-
-def lightning_wrap_model(strategy_super: Any, model: nn.Module) -> Any:
-    """Call the Lightning wrap hook (``LIGHTNING_WRAP_HOOK``) of ``strategy_super``, the
-    ``super()`` of a strategy class that overrides it."""
-    return getattr(strategy_super, LIGHTNING_WRAP_HOOK)(model)
-
-
-def fabric_original_module(module: nn.Module) -> nn.Module:
-    """The user's module under Fabric's ``_FabricModule`` (and DDP inside it), or
-    ``module`` itself where it is not one."""
-    return getattr(module, "_original_module", module)
-
-
 #: The global names dynamo gives the compiled graphs of a frame it compiled.
 COMPILED_FN_PREFIX = "__compiled_fn"
 #: The name of dynamo's wrapper frame around a compiled frame's call.
@@ -580,13 +559,20 @@ def fsdp_param_groups(module: object) -> list[Any]:
     return list(groups)
 
 
-def model_parallel_sizes(strategy: object) -> tuple[Any, Any]:
-    """Lightning's ``ModelParallelStrategy`` data- and tensor-parallel sizes as passed
-    (``"auto"`` or a number), which it keeps in private attributes."""
-    return strategy._data_parallel_size, strategy._tensor_parallel_size  # type: ignore[attr-defined]
+#: The frame of dynamo's that holds the code it compiles, and the local holding it.
+DYNAMO_COMPILE_FRAME = ("compile_inner", "code")
 
 
-def set_model_parallel_sizes(strategy: object, data: int, tensor: int) -> None:
-    """Set those sizes before Lightning builds the device mesh from them."""
-    strategy._data_parallel_size = data  # type: ignore[attr-defined]
-    strategy._tensor_parallel_size = tensor  # type: ignore[attr-defined]
+def compile_events() -> list[str]:
+    """This thread's stack of torch's compile events (``dynamo_timed``), the very list
+    torch pushes and pops: another thread may read copies while this one compiles."""
+    return get_chromium_event_logger().get_stack()
+
+
+def compiling_code() -> CodeType | None:
+    """The code dynamo is compiling, from its frame on this thread's stack, or None."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != DYNAMO_COMPILE_FRAME[0]:
+        frame = frame.f_back
+    code = None if frame is None else frame.f_locals.get(DYNAMO_COMPILE_FRAME[1])
+    return code if isinstance(code, CodeType) else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -64,7 +65,19 @@ def trainer(
     return pl.Trainer(**{**options, **kwargs})
 
 
-# --- a failing backend, a cache probe ---------------------------------------------------
+# --- a failing backend, a slow one, a cache probe ---------------------------------------
+
+
+class SlowToCompile:
+    """torch's ``aot_eager``, ``seconds`` slower each time dynamo calls it to compile a
+    graph (its compiled calls run at full speed): a compile long enough to watch."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, gm, example_inputs):
+        time.sleep(self.seconds)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
 class FailsOnLayerNorm:
@@ -229,6 +242,102 @@ class WaitForTheSwitch(pl.Callback):
 
 def _since(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
     return {name: now[name] - before.get(name, 0) for name in now}
+
+
+# --- what the loggers wrote --------------------------------------------------------------
+
+#: The prefix of the compile's figures in the loggers (``strategies/figures.py``).
+FIGURES = "regional_compile/"
+
+
+def csv_figures(folder) -> dict[str, list[float]]:
+    """Each of the compile's figures in the CSVLogger files under ``folder``, with every
+    value it was logged with (one per row that holds it)."""
+    import csv
+
+    figures: dict[str, list[float]] = {}
+    for path in Path(folder).rglob("metrics.csv"):
+        with path.open() as rows:
+            for row in csv.DictReader(rows):
+                for name, value in row.items():
+                    if name.startswith(FIGURES) and value:
+                        figures.setdefault(name, []).append(float(value))
+    return figures
+
+
+def tensorboard_figures(folder) -> dict[str, list[float]]:
+    """The same from the TensorBoard event files under ``folder`` (read with tensorboardX's
+    protobuf classes: each record a length, its checksum, the event, its checksum)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    figures: dict[str, list[float]] = {}
+    for path in Path(folder).rglob("events.out.tfevents.*"):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                if value.tag.startswith(FIGURES):
+                    figures.setdefault(value.tag, []).append(value.simple_value)
+    return figures
+
+
+# --- a terminal -------------------------------------------------------------------------
+
+
+class Terminal:
+    """A pseudo-terminal of 40 rows by 200 columns standing in for ``sys.stdout`` (as a
+    user's shell gives a run), with everything written to it, and when, read back."""
+
+    def __init__(self) -> None:
+        import fcntl
+        import pty
+        import struct
+        import termios
+
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+        self.stream = open(slave, "w", buffering=1, closefd=True)
+        self.chunks: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.chunks.append((time.perf_counter(), chunk.decode(errors="replace")))
+
+    @property
+    def text(self) -> str:
+        return "".join(chunk for _, chunk in self.chunks)
+
+    def close(self) -> None:
+        self.stream.flush()
+        time.sleep(0.2)  # what was written reaches the reader
+        self.stream.close()
+        os.close(self.master)
+
+
+@contextlib.contextmanager
+def terminal() -> Iterator[Terminal]:
+    """``sys.stdout`` a pseudo-terminal (``Terminal``) inside the block."""
+    import sys
+
+    term, stdout = Terminal(), sys.stdout
+    sys.stdout = term.stream
+    try:
+        yield term
+    finally:
+        sys.stdout = stdout
+        term.close()
 
 
 # --- the tiny GPT -----------------------------------------------------------------------

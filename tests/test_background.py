@@ -1,7 +1,8 @@
 """``compile_in_background=True``: training starts eager while one child process compiles
 the regions, and switches to them at a step boundary; classes defined in a function ship
 by value; what cannot be shipped, a child that fails and one past its limit warn once and
-leave training running; no child outlives the Trainer, an exception in ``fit`` included;
+leave training running (shown in the progress bar as well as warned); no child outlives
+the Trainer, an exception in ``fit`` included;
 ``validate`` and ``predict`` alone compile at their start. Real Trainer, real child
 processes, losses compared with plain Lightning (the real inductor backend:
 ``test_background_inductor.py``; 2-process DDP: ``test_ddp.py``)."""
@@ -18,15 +19,20 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import (
+    FIGURES,
     WaitForTheSwitch,
+    csv_figures,
     data,
     gpt,
     is_running,
     one_intra_op_thread,
     seeded_stack,
+    terminal,
     trainer,
     vectors,
 )
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
 from process_state import mkl_dynamic_adjustment, set_mkl_dynamic_adjustment
 from torch import nn
 
@@ -41,11 +47,16 @@ from lightning_regions.background.switch import BackgroundCompileWarning, lent_t
 STEPS = 1000
 
 
-def fit_both(tmp_path, ours_model, plain_model, **options) -> RegionalCompileStrategy:
+def fit_both(
+    tmp_path, ours_model, plain_model, trainer_options=None, **options
+) -> RegionalCompileStrategy:
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True, **options)
     wait = WaitForTheSwitch(after=3)
     threads, mkl_dynamic = torch.get_num_threads(), mkl_dynamic_adjustment()
-    trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours_model, data())
+    extra = dict(trainer_options or {})
+    callbacks = [wait, *extra.pop("callbacks", [])]
+    run = trainer(tmp_path, strategy, STEPS, callbacks=callbacks, **extra)
+    run.fit(ours_model, data())
     # lent and given back without torch.set_num_threads, which turns MKL's dynamic
     # adjustment off (threads.limit_intra_op_threads)
     assert mkl_dynamic_adjustment() == mkl_dynamic
@@ -70,9 +81,21 @@ def twins(build=gpt):
 
 
 def test_training_starts_eager_and_switches_to_the_compiled_regions(tmp_path):
+    """Also: Lightning's tqdm bar (in a pseudo-terminal) shows the child's state until the
+    switch, then the step it came at; the CSVLogger holds the switch's figures."""
     ours, plain = twins()
-    strategy = fit_both(tmp_path, ours, plain)
+    with terminal() as term:
+        options = {"enable_progress_bar": True, "callbacks": [TQDMProgressBar()]}
+        options["logger"] = CSVLogger(tmp_path)
+        strategy = fit_both(tmp_path, ours, plain, options)
     background = strategy.background
+    shown = term.text
+    switch = f"compiled in the background, switched at step {background.steps_eager + 1}"
+    assert "· compiling in the background: " in shown and switch in shown
+    assert shown.index("· compiling in the background: ") < shown.index(switch)
+    figures = {name.removeprefix(FIGURES): v for name, v in csv_figures(tmp_path).items()}
+    assert figures["background_switch_step"] == [background.steps_eager + 1]
+    assert figures["background_failed"] == [0.0] and figures["background_stall_s"][0] > 0
     assert background.switched and not background.failure and background.child_seconds
     assert (background.children[-1].peak_rss_mb or 0) > 0
     assert 1 <= background.steps_eager == len(ours.losses) - 3
@@ -193,9 +216,17 @@ def test_a_failed_background_compile_warns_once_and_training_goes_on(tmp_path):
     ours, plain = (seeded_stack(lambda: [FailsElsewhere() for _ in range(3)]) for _ in range(2))
     strategy = RegionalCompileStrategy(backend="aot_eager", compile_in_background=True)
     wait = WaitForTheSwitch(after=3)
-    with pytest.warns(BackgroundCompileWarning, match="runs only where it was built") as caught:
-        trainer(tmp_path, strategy, STEPS, callbacks=[wait]).fit(ours, vectors())
+    with (
+        terminal() as term,
+        pytest.warns(BackgroundCompileWarning, match="runs only where it was built") as caught,
+    ):
+        callbacks = [wait, RichProgressBar()]
+        run = trainer(tmp_path, strategy, STEPS, callbacks=callbacks, enable_progress_bar=True)
+        run.fit(ours, vectors())
     assert sum(issubclass(w.category, BackgroundCompileWarning) for w in caught) == 1
+    # shown as well as warned, in Lightning's Rich bar
+    step = strategy.background.steps_eager + 1
+    assert f"background compile failed, compiled here at step {step}" in term.text
     trainer(tmp_path, "auto", len(ours.losses)).fit(plain, vectors())
     assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
     assert strategy.background.switched and strategy.background.process is None

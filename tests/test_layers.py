@@ -15,7 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_regions"
 #: layer's earlier ones: layers of one rank (diagnosis, background, gate) are siblings
 #: that import nothing of each other.
 LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "torch's names, the options and the disk": (0, ("compat", "cache", "options")),
+    "torch's and Lightning's names, the options and the disk": (
+        0,
+        ("compat", "lightning_compat", "cache", "options"),
+    ),
     "plan, apply and observe": (
         1,
         (
@@ -31,6 +34,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
             "core/watch",
             "core/tracking",
             "core/compile",
+            "core/progress",
             "core/recipe",
         ),
     ),
@@ -61,6 +65,8 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
             "strategies/__init__",
             "strategies/environment",
             "strategies/first_step",
+            "strategies/status",
+            "strategies/figures",
             "strategies/trainer",
             "strategies/fabric",
             "strategies/fsdp",

@@ -17,19 +17,23 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import (
+    FIGURES,
     GATE_DECIDED_BY,
     GATE_DECIDED_BY_WITH_A_CANDIDATE,
     SMALL,
     BlockStack,
     SlowAotEager,
+    csv_figures,
     data,
     elements_of,
     gpt,
     left_out_of,
     ms_of,
     one_intra_op_thread,
+    tensorboard_figures,
     trainer,
 )
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
 from examples.lightning_gpt import GPTModule
@@ -72,12 +76,27 @@ def blocks(model) -> list[nn.Module]:
     return list(dict.fromkeys(model.model.blocks))
 
 
+def assert_figures_logged(figures, report, decision) -> None:
+    """The first step's figures and the decision's, each logged once (no figure a step),
+    as the report and the decision hold them."""
+    assert all(len(values) == 1 for values in figures.values()), figures
+    logged = {name.removeprefix(FIGURES): values[0] for name, values in figures.items()}
+    assert logged["graphs"] >= 1 and logged["regions_eager"] == len(report.ran_eager)
+    assert logged["backend_seconds"] > 0 and logged["graph_breaks"] == report.graph_breaks
+    assert logged["recompiles"] >= 0
+    assert logged["compiled_step_ms"] == pytest.approx(decision.compiled_ms, rel=1e-6)
+    assert logged["eager_step_ms"] == pytest.approx(decision.eager_ms, rel=1e-6)
+    ways = [figure.way for figure in decision.candidates]
+    number = {"eager": 0, "compiled": 1}.get(decision.chosen)
+    assert logged["decision"] == (2 + ways.index(decision.chosen) if number is None else number)
+
+
 def test_a_backend_slower_than_eager_is_reverted_and_training_goes_on_as_eager(tmp_path, caplog):
     model, plain, check = gpt(), gpt(), TiedWeightsCheck()
     keys = list(model.state_dict())
     strategy = RegionalCompileStrategy(backend=SlowAotEager())
     with caplog.at_level("INFO"):
-        fitted = trainer(tmp_path, strategy, STEPS, [check])
+        fitted = trainer(tmp_path, strategy, STEPS, [check], logger=CSVLogger(tmp_path))
         fitted.fit(model, data())
     trainer(tmp_path, "auto", STEPS).fit(plain, data())
     decision = strategy.payoff.decision
@@ -89,6 +108,7 @@ def test_a_backend_slower_than_eager_is_reverted_and_training_goes_on_as_eager(t
     assert str(decision).startswith(said) and str(decision).endswith(": regions reverted to eager")
     assert f"regional compile on this run's steps: {decision}" in caplog.text
     assert f"on this run's steps: {decision}" in str(region_report(model))
+    assert_figures_logged(csv_figures(tmp_path), region_report(model), decision)
     assert all(block._compiled_call_impl is None for block in blocks(model))
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
@@ -323,8 +343,10 @@ def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_
     # figure beside a busy worker when the gap was 0.03 s a block)
     strategy = WithCandidates((candidate,), backend=SlowAotEager(seconds=0.15))
     steps = WITH_A_CANDIDATE + 2
+    logger = TensorBoardLogger(tmp_path)  # through tensorboardX where tensorboard is missing
     with caplog.at_level("INFO"):
-        trainer(tmp_path, strategy, steps, validate=True, val_check_interval=4).fit(model, data())
+        run = trainer(tmp_path, strategy, steps, validate=True, val_check_interval=4, logger=logger)
+        run.fit(model, data())
     trainer(tmp_path, "auto", steps, validate=True, val_check_interval=4).fit(plain, data())
     decision = strategy.payoff.decision
     assert decision is not None and [figure.way for figure in decision.candidates] == ["aot_eager"]
@@ -335,6 +357,7 @@ def test_a_candidate_runs_the_training_calls_in_its_window_and_training_goes_on_
         f"compiled {decision.compiled_ms:.1f} ms, aot_eager {timed.ms:.1f}"
     )
     assert f"regional compile on this run's steps: {decision}" in caplog.text
+    assert_figures_logged(tensorboard_figures(tmp_path), region_report(model), decision)
     if decision.chosen == "aot_eager":  # training calls the candidate, the rest the first
         assert all(isinstance(b._compiled_call_impl, WhileTraining) for b in blocks(model))
     assert model.losses == pytest.approx(plain.losses, rel=1e-5)

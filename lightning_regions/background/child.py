@@ -36,6 +36,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,12 @@ def result_file(where: Path, round: int) -> Path:
     return where / f"result-{round}.json"
 
 
+def progress_file(where: Path, round: int) -> Path:
+    """Where round ``round``'s progress is written after each call it replayed:
+    ``{"done": k, "of": n}``."""
+    return where / f"progress-{round}.json"
+
+
 def write_whole(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader sees all of it or no file."""
     partial = path.with_name(path.name + ".partial")
@@ -85,8 +92,11 @@ def replay(region: nn.Module, call: RegionCall) -> None:
             torch.autograd.backward(needing_grad, [torch.ones_like(t) for t in needing_grad])
 
 
-def compile_shipment(shipment: Shipment) -> dict[str, Any]:
-    """Compile and replay everything ``shipment`` holds, into torch's caches."""
+def compile_shipment(
+    shipment: Shipment, progressed: Callable[[int, int], None] = lambda done, of: None
+) -> dict[str, Any]:
+    """Compile and replay everything ``shipment`` holds, into torch's caches, calling
+    ``progressed(done, of)`` after each call replayed."""
     shipment.recipe.enter_settings()
     torch.set_num_threads(shipment.threads)  # the training process's: the cache key's
     holder = nn.Module()
@@ -94,7 +104,9 @@ def compile_shipment(shipment: Shipment) -> dict[str, Any]:
     plan = find_regions(holder, [f"regions.{index}" for index in range(len(shipment.regions))])
     shipment.recipe.compile(holder, plan, root_is_called=True)
     start = time.perf_counter()
-    for calls in orders(shipment.calls):
+    replays = orders(shipment.calls)
+    done, of = 0, sum(len(calls) for calls in replays)
+    for calls in replays:
         torch.compiler.reset()  # each order from a fresh dynamo, as in the training process
         for call in calls:
             region = holder.regions[call.index]
@@ -103,6 +115,8 @@ def compile_shipment(shipment: Shipment) -> dict[str, Any]:
                 replay(region, call)
             finally:
                 release([region])
+            done += 1
+            progressed(done, of)
         torch.compiler.reset()
     return {"ok": True, "seconds": time.perf_counter() - start}
 
@@ -158,7 +172,11 @@ def one_round(where: Path, round: int) -> dict[str, Any]:
     """Compile round ``round``'s shipment and write its files; its result."""
     try:
         shipment = unpack(shipment_file(where, round).read_bytes())
-        result = compile_shipment(shipment)
+        progress = progress_file(where, round)
+        result = compile_shipment(
+            shipment,
+            lambda done, of: write_whole(progress, json.dumps({"done": done, "of": of}).encode()),
+        )
         saved = torch.compiler.save_cache_artifacts()  # every round's, so far
         if saved is not None:
             write_whole(where / ARTIFACTS, saved[0])

@@ -60,6 +60,7 @@ from .child import (
     ARTIFACTS,
     KERNELS,
     LOG,
+    progress_file,
     result_file,
     shipment_file,
     write_whole,
@@ -205,6 +206,15 @@ class Child:
             }
         return done
 
+    def progress(self) -> tuple[int, int] | None:
+        """The calls of its last round replayed so far, and of how many (None before the
+        first, or where its file cannot be read)."""
+        try:
+            done = json.loads(progress_file(self.where, self.round).read_text())
+            return int(done["done"]), int(done["of"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def artifacts(self) -> tuple[bytes, dict[str, bytes]] | None:
         """The cache artifacts of what the child compiled in all its rounds, and the
         kernel files it loaded (read from the cache directory it shares with this
@@ -271,6 +281,9 @@ class BackgroundCompile:
         self.outcome: Outcome | None = None  # set at the switch, on every process
         self.steps_eager = 0  # optimizer steps that ran before the switch
         self.switched_at: float | None = None  # seconds from setup to the switch
+        #: Seconds from the switch to the end of the first compiled step
+        #: (``first_compiled_step_done``): what the switch held training up for.
+        self.stall_s: float | None = None
         self.created = time.perf_counter()
         #: torch's cache counters when the regions compiled in place (``compat.cache_counts``).
         self.counts_at_switch: dict[str, int] = {}
@@ -334,6 +347,11 @@ class BackgroundCompile:
         self.stop()
         self._warn(outcome)
         return True
+
+    def first_compiled_step_done(self) -> None:
+        """The first step after the switch ended: the stall is known."""
+        if self.switched_at is not None and self.stall_s is None:
+            self.stall_s = time.perf_counter() - self.created - self.switched_at
 
     def warm_evaluation(self) -> None:
         """Replay each recorded evaluation call (made tensors, in the recorded order) on
@@ -473,6 +491,26 @@ class BackgroundCompile:
             )
 
     # --- what happened -----------------------------------------------------------------
+
+    def state(self) -> str:
+        """A few words for the progress bar: what the child does, or where the switch
+        came and whether the child failed."""
+        if self.switched:
+            outcome = self.outcome or Outcome()
+            step = self.steps_eager + 1
+            if outcome.failure:
+                return f"background compile failed, compiled here at step {step}"
+            return f"compiled in the background, switched at step {step}"
+        if self.failure:
+            return "background compile failed: compiling here at the switch"
+        child = self.child
+        if child is None or child.reported:
+            return "compiling in the background: waiting for calls"
+        seconds = f"{time.perf_counter() - child.started:.0f} s"
+        progress = child.progress()
+        if progress is None:
+            return f"compiling in the background: {seconds}"
+        return f"compiling in the background: {progress[0]} of {progress[1]} calls, {seconds}"
 
     def summary(self) -> str:
         """One line: when the switch came, after how many eager steps, and what torch's

@@ -44,6 +44,8 @@ class FirstStepReporter:
         self._threshold = recompile_warn_threshold
         self._reported: set[int] = set()  # modules whose first step this setup reported
         self.trained = False  # some optimizer step ran, in this or an earlier setup
+        #: Regions warned about as falling back to eager after the first step, this setup.
+        self.fallbacks = 0
 
     @property
     def threshold(self) -> int | None:
@@ -57,6 +59,7 @@ class FirstStepReporter:
     def enter(self) -> None:
         """A new setup: its first optimizer step is reported again."""
         self._reported.clear()
+        self.fallbacks = 0
 
     def has_reported(self, module: Any) -> bool:
         """Whether ``module``'s first optimizer step in this setup was reported."""
@@ -67,14 +70,15 @@ class FirstStepReporter:
         its first step has nothing compiled to report."""
         self._reported.add(id(module))
 
-    def after_optimizer_step(self, module: Any, phase: str = "training") -> None:
-        """Watch recompiles; after the first step, report once and end observation."""
+    def after_optimizer_step(self, module: Any, phase: str = "training") -> RegionReport | None:
+        """Watch recompiles; after the first step, report once and end observation: the
+        report, that once."""
         tracker = tracker_of(module)
         if tracker is None:
-            return
+            return None
         if self.has_reported(module):
             self.watch_recompiles(module, phase)
-            return
+            return None
         if self.threshold is not None:
             tracker.watch.warn_storms(self.threshold)
         self._reported.add(id(module))
@@ -87,15 +91,18 @@ class FirstStepReporter:
             for category in WARNED_AT_FIRST_STEP:
                 warnings.simplefilter("always", category)
             warn_about(report)
+        return report
 
-    def watch_recompiles(self, module: Any, phase: str) -> None:
+    def watch_recompiles(self, module: Any, phase: str) -> int:
         """Warn once per region class that reached dynamo's recompile limit since the last
         look (``RegionNotCompiledWarning``, naming ``phase``, torch's guard and the fix),
-        and of recompile storms."""
+        and of recompile storms: how many fell back now (``fallbacks`` adds them up)."""
         tracker = tracker_of(module)
         if tracker is None:
-            return
-        for entry in tracker.watch.new_limit_hits():
+            return 0
+        hits = tracker.watch.new_limit_hits()
+        self.fallbacks += len(hits)
+        for entry in hits:
             entry.warned = True  # this says more than a storm warning would
             fallback = judge_limit_fallback(entry, phase, recompile_limit(), trained=self.trained)
             with warnings.catch_warnings():
@@ -103,6 +110,7 @@ class FirstStepReporter:
                 warnings.warn(str(fallback), RegionNotCompiledWarning, stacklevel=3)
         if self.threshold is not None:
             tracker.watch.warn_storms(self.threshold)
+        return len(hits)
 
 
 def runtime_summary(report: RegionReport) -> str:

@@ -40,15 +40,18 @@ from ..diagnosis.report import region_report
 from ..gate.gate import Candidate, CompilePayoff, Decided, cuda_graphs_candidate, follow
 from ..options import RegionalOptions, split_options, takes_options
 from .environment import CompileEnvironment
+from .figures import decision_figures, first_step_figures, log_figures, switch_figures
 from .first_step import FirstStepReporter
+from .status import CompileStatus
 
 
 class RegionalCompileBase:
     """What every regional strategy does, Trainer's or Fabric's: keep the options, and
-    own three parts, each entered at setup and left at teardown: the run's compile cache
+    own four parts, each entered at setup and left at teardown: the run's compile cache
     (``cache.CompileCache``), the training compile environment
-    (``environment.CompileEnvironment``) and the first-step reporter
-    (``first_step.FirstStepReporter``); with ``compile_in_background``, a fourth:
+    (``environment.CompileEnvironment``), the first-step reporter
+    (``first_step.FirstStepReporter``) and the compile's status while it runs
+    (``status.CompileStatus``); with ``compile_in_background``, a fifth:
     ``background.BackgroundCompile``, made at each setup that trains."""
 
     #: The name that registers the strategy, and its registry description.
@@ -104,6 +107,7 @@ class RegionalCompileBase:
             whole_graphs_under_ddp=self.wraps_in_ddp,
         )
         self.reporter = FirstStepReporter(options.recompile_warn_threshold)
+        self.status = CompileStatus()
         self.background: BackgroundCompile | None = None
         #: Whether the compiled regions pay on this run's steps (``keep_if_faster``).
         self.payoff: CompilePayoff | None = None
@@ -142,9 +146,16 @@ class RegionalCompileBase:
             if not self.background.switched:
                 rank_zero_info(self.background.summary())
             self.background.stop()
+        self.status.exit()
         self.compile_cache.exit()
         self.environment.exit()
         self._set_up = False
+
+    def attached_trainer(self) -> Any:
+        """The Trainer whose progress bar shows a compile while it runs and whose loggers
+        get its figures (``status``, ``figures``); None for Fabric's loops (the log
+        shows them)."""
+        return None
 
     def trains_here(self) -> bool:
         """Whether this setup runs optimizer steps, at whose boundaries the background
@@ -164,6 +175,7 @@ class RegionalCompileBase:
         self.environment.enter(module)
         recipe = CompileRecipe(self.options, self.eager_hooks)  # after the environment's flags
         plan = find_regions(module, self.options.regions, root_is_called=root_is_called)
+        self.status.enter(plan, self.attached_trainer)
         self.before_compile(plan)
         if self.background is not None:
             self.background.stop()
@@ -209,16 +221,25 @@ class RegionalCompileBase:
                 module, plan = background.module, background.plan
                 self._compile_now(module, background.root_is_called, plan, background.recipe)
                 background.warm_evaluation()
+            self.status.note(background.state())
             return
         first = not all(self.reporter.has_reported(module) for module in modules)
+        trainer, fallbacks = self.attached_trainer(), self.reporter.fallbacks
         for module in modules:
-            self.reporter.after_optimizer_step(module, phase)
+            report = self.reporter.after_optimizer_step(module, phase)
+            if report is not None:
+                log_figures(trainer, first_step_figures(report))
+        if self.reporter.fallbacks != fallbacks:
+            log_figures(trainer, {"fallbacks": self.reporter.fallbacks})
         if first and self.background is not None and self.background.switched:
+            self.background.first_compiled_step_done()
             rank_zero_info(self.background.summary())
+            log_figures(trainer, switch_figures(self.background))
         if self.payoff is not None:
             decision = self.payoff.at_step_boundary(modules, self)
             if decision is not None:
                 rank_zero_info(f"regional compile on this run's steps: {decision}")
+                log_figures(trainer, decision_figures(decision))
                 self.decided.record(modules, decision)
 
     def _compile_now(
@@ -264,6 +285,7 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
     #: engine's own, before it wraps the model: FSDP1's and DeepSpeed's).
     compiles_in_model_to_device = True
 
+    @override
     def attached_trainer(self) -> Any:
         """The Trainer of the LightningModule, or None before one is attached
         (``strategy.load_checkpoint`` may be called then)."""
@@ -398,18 +420,23 @@ class RegionalCompileMixin(RegionalCompileBase, Strategy):
         super().on_validation_end()
         trainer = self.attached_trainer()
         sanity = trainer is not None and trainer.sanity_checking
-        phase = "the validation sanity check" if sanity else "validation"
-        self.reporter.watch_recompiles(self.lightning_module, phase)
+        self.watch_after("the validation sanity check" if sanity else "validation")
 
     @override
     def on_test_end(self) -> None:
         super().on_test_end()
-        self.reporter.watch_recompiles(self.lightning_module, "test")
+        self.watch_after("test")
 
     @override
     def on_predict_end(self) -> None:
         super().on_predict_end()
-        self.reporter.watch_recompiles(self.lightning_module, "predict")
+        self.watch_after("predict")
+
+    def watch_after(self, phase: str) -> None:
+        """After an evaluation loop: warn of regions that fell back to eager in it, and
+        log their count."""
+        if self.reporter.watch_recompiles(self.lightning_module, phase):
+            log_figures(self.attached_trainer(), {"fallbacks": self.reporter.fallbacks})
 
 
 def _refuse_whole_model_compile(module: Any) -> None:
