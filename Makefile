@@ -81,6 +81,7 @@ bench: install
 	$(PY) benchmarks/variable_lengths.py
 	$(PY) benchmarks/gate_noise.py
 	$(PY) benchmarks/mkl_dynamic.py
+	$(PY) benchmarks/status_cost.py
 
 # On a GPU machine: its own python3 and this source tree, nothing installed but the
 # wheels of .whl/ when they came along (make gpu-wheels), into a folder of their own. Here
