@@ -125,3 +125,20 @@ def test_a_status_never_left_takes_its_callbacks_along_and_one_reset_took_is_reg
     del shown
     gc.collect()
     assert not ours_registered()
+
+
+def test_one_status_a_process_and_a_failing_one_never_fails_the_compile():
+    """The last status entered shows the process's compiles (an earlier one never torn
+    down gives its callbacks up); one whose drawing raises leaves the compile be."""
+    plan = find_regions(nn.Sequential(nn.Linear(2, 2)), ["0"])
+    first, second = status.CompileStatus(), status.CompileStatus()
+    first.enter(plan, lambda: None)
+    second.enter(plan, lambda: 1 / 0)  # no Trainer to read: its surface raises
+    handler = torch._dynamo.callback_handler
+    ours = [c for c in handler.start_callbacks if "lightning_regions" in c.__module__]
+    assert len(ours) == 1
+    compiled = torch.compile(lambda x: x.sin() + 1, backend="eager")
+    torch.testing.assert_close(compiled(torch.ones(3)), torch.ones(3).sin() + 1)
+    assert status_threads() == []
+    second.exit()
+    assert not ours_registered()

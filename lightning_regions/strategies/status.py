@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.trainer.states import RunningStage
@@ -222,10 +222,14 @@ class TorchCallbacks:
         def relay(method: str) -> Callable[[Any], None]:
             def call(args: Any) -> None:
                 target = this()
-                if target is not None:
-                    name = args.callback_trigger.name
-                    part = "" if name == "DYNAMO" else COMPILE_PARTS.get(name, name.lower())
+                if target is None:
+                    return
+                name = args.callback_trigger.name
+                part = "" if name == "DYNAMO" else COMPILE_PARTS.get(name, name.lower())
+                try:
                     getattr(target, method)(part, args.compile_id)
+                except Exception as error:  # showing a compile must never fail it
+                    rank_zero_debug(f"regional compile: the status failed: {error!r}")
 
             return call
 
@@ -253,6 +257,10 @@ class CompileStatus:
     teardown): rank zero only. torch holds our callbacks through a weak reference, so a
     Fabric loop never torn down leaves none behind once its strategy is gone."""
 
+    #: The one status that shows this process's compiles: the last entered (a Fabric
+    #: loop is often never torn down, and a notebook may hold an earlier one).
+    showing: ClassVar[weakref.ref[CompileStatus] | None] = None
+
     def __init__(self) -> None:
         self._progress: CompileProgress | None = None
         self._trainer: Callable[[], Any] = lambda: None
@@ -269,6 +277,10 @@ class CompileStatus:
         if getattr(rank_zero_only, "rank", 0) != 0:
             return
         self._progress, self._trainer = CompileProgress(plan), trainer
+        earlier = CompileStatus.showing() if CompileStatus.showing is not None else None
+        if earlier is not None and earlier is not self:
+            earlier._unregister()
+        CompileStatus.showing = weakref.ref(self)
         if self._callbacks is None or not TorchCallbacks.held(*self._callbacks):
             self._unregister()  # or torch._dynamo.reset() took them: again
             self._callbacks = TorchCallbacks.register(self)
