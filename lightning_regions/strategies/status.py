@@ -279,10 +279,10 @@ class CompileStatus:
         self._progress, self._trainer = CompileProgress(plan), trainer
         earlier = CompileStatus.showing() if CompileStatus.showing is not None else None
         if earlier is not None and earlier is not self:
-            earlier._unregister()
+            earlier.unregister()
         CompileStatus.showing = weakref.ref(self)
         if self._callbacks is None or not TorchCallbacks.held(*self._callbacks):
-            self._unregister()  # or torch._dynamo.reset() took them: again
+            self.unregister()  # or torch._dynamo.reset() took them: again
             self._callbacks = TorchCallbacks.register(self)
             self._release = weakref.finalize(self, TorchCallbacks.remove, *self._callbacks)
 
@@ -302,9 +302,10 @@ class CompileStatus:
 
     def exit(self) -> None:
         self.ended("", "")
-        self._unregister()
+        self.unregister()
 
-    def _unregister(self) -> None:
+    def unregister(self) -> None:
+        """Give our callbacks back to torch (``exit``, or a newer status entered)."""
         if self._release is not None:
             self._release()  # removes the callbacks, once
         self._callbacks = self._release = None
