@@ -271,12 +271,19 @@ class CompileStatus:
         #: The last note drawn: its bar, the description before it, and what was drawn.
         self._note: tuple[tuple[int, ...], str, str] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``torch.save`` or ``deepcopy`` of a model that reaches the strategy)
+        shows nothing: the code objects, the callbacks and the thread stay here."""
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
     def enter(self, plan: RegionPlan, trainer: Callable[[], Any]) -> None:
         """Show the compiles of ``plan``'s regions (and any other) from now on;
         ``trainer`` gives the Trainer whose bar shows them (None: the log)."""
         if getattr(rank_zero_only, "rank", 0) != 0:
             return
-        self._progress, self._trainer = CompileProgress(plan), trainer
         earlier = CompileStatus.showing() if CompileStatus.showing is not None else None
         if earlier is not None and earlier is not self:
             earlier.unregister()
@@ -285,6 +292,7 @@ class CompileStatus:
             self.unregister()  # or torch._dynamo.reset() took them: again
             self._callbacks = TorchCallbacks.register(self)
             self._release = weakref.finalize(self, TorchCallbacks.remove, *self._callbacks)
+        self._progress, self._trainer = CompileProgress(plan), trainer
 
     def note(self, text: str) -> None:
         """Keep ``text`` after the description of the running stage's bar (replacing the
@@ -309,6 +317,7 @@ class CompileStatus:
         if self._release is not None:
             self._release()  # removes the callbacks, once
         self._callbacks = self._release = None
+        self._progress = None
 
     def started(self, part: str, compile_id: str) -> None:
         """torch begins a compile (on the thread that compiles)."""
