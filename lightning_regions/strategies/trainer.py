@@ -224,22 +224,22 @@ class RegionalCompileBase:
             self.status.note(background.state())
             return
         first = not all(self.reporter.has_reported(module) for module in modules)
-        trainer, fallbacks = self.attached_trainer(), self.reporter.fallbacks
+        fallbacks = self.reporter.fallbacks
         for module in modules:
             report = self.reporter.after_optimizer_step(module, phase)
             if report is not None:
-                log_figures(trainer, first_step_figures(report))
+                log_figures(self.attached_trainer(), first_step_figures(report))
         if self.reporter.fallbacks != fallbacks:
-            log_figures(trainer, {"fallbacks": self.reporter.fallbacks})
+            log_figures(self.attached_trainer(), {"fallbacks": self.reporter.fallbacks})
         if first and self.background is not None and self.background.switched:
             self.background.first_compiled_step_done()
             rank_zero_info(self.background.summary())
-            log_figures(trainer, switch_figures(self.background))
+            log_figures(self.attached_trainer(), switch_figures(self.background))
         if self.payoff is not None:
             decision = self.payoff.at_step_boundary(modules, self)
             if decision is not None:
                 rank_zero_info(f"regional compile on this run's steps: {decision}")
-                log_figures(trainer, decision_figures(decision))
+                log_figures(self.attached_trainer(), decision_figures(decision))
                 self.decided.record(modules, decision)
 
     def _compile_now(
