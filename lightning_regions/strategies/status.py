@@ -112,7 +112,9 @@ class RichSurface(BarSurface):
 
     def write(self, description: str) -> None:
         self.progress.update(self.task, description=description)
-        self.callback.refresh(hard=True)  # now: its own thread would wait up to a second
+        # Rich's own redraw now (its thread would wait up to a second); Lightning's
+        # ``refresh`` is not used: its signature differs between Lightning releases.
+        self.progress.refresh()
 
 
 class LogSurface:
@@ -305,7 +307,11 @@ class CompileStatus:
         if self._note is not None and self._note[0] == bar.target and base == self._note[2]:
             base = self._note[1]
         written = after(base, text)
-        bar.write(written)
+        try:
+            bar.write(written)
+        except Exception as error:  # showing the state must never fail the step
+            rank_zero_debug(f"regional compile: the status failed: {error!r}")
+            return
         self._note = (bar.target, base, written)
 
     def exit(self) -> None:
