@@ -20,6 +20,7 @@ from helpers import SlowToCompile, data, gpt, terminal, trainer
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch import nn
+from torch.utils.data import DataLoader
 
 import lightning_regions.fabric as regional_fabric
 from examples.fabric_gpt import train
@@ -82,6 +83,48 @@ def test_the_bar_shows_what_compiles_and_for_how_long_then_its_own_text(tmp_path
     assert_shown_while_compiling_and_gone_after(text, "mine")
     assert "compiling GPTBlock's backward (1 of 1)" in text
     assert "· compiling GPTBlock (1 of 1): 1 s, backend" in text  # torch's phase: our sleep
+    assert status_threads() == [] and not ours_registered()
+
+
+def batches(lengths: list[int]) -> DataLoader:
+    """One batch of 4 character sequences for each length: a length new to dynamo makes
+    it compile the blocks again."""
+    tokens = data().tokens
+    chunks = [(tokens[: 4 * n].view(4, n), tokens[1 : 4 * n + 1].view(4, n)) for n in lengths]
+    return DataLoader(chunks, batch_size=None)
+
+
+def seconds_shown(text: str, pattern: str) -> list[int]:
+    """The seconds of each drawing of ``pattern``'s status, one per redraw."""
+    return sorted({int(seconds) for seconds in re.findall(pattern + r": (\d+) s", text)})
+
+
+def test_a_validations_compile_and_a_later_recompile_show_in_their_own_bars(tmp_path):
+    """Validation's first call of the blocks (no grad: dynamo compiles them again) shows in
+    Lightning's validation bar, and a fourth training step of a new length in the training
+    bar, each redrawn every second or two, and gone after. The keep-or-revert gate is off:
+    it would time that step on eager."""
+    seconds = 3.0
+    strategy = RegionalCompileStrategy(backend=SlowToCompile(seconds), keep_if_faster=False)
+    with terminal() as term:
+        run = trainer(
+            tmp_path,
+            strategy,
+            4,
+            callbacks=[TQDMProgressBar()],
+            enable_progress_bar=True,
+            limit_val_batches=1,
+            val_check_interval=2,
+            num_sanity_val_steps=0,
+        )
+        run.fit(gpt(), batches([16, 16, 16, 12]), batches([16]))
+    text = term.text
+    for bar in ("Validation", "Epoch 0"):
+        shown = seconds_shown(text, bar + r"[^\r\n]* · recompiling GPTBlock")
+        assert shown and shown[0] == 0 and shown[-1] >= seconds - 1, (bar, shown)
+        assert all(b - a <= 2 for a, b in itertools.pairwise(shown)), (bar, shown)
+    last_train = text.rsplit("Epoch 0", 1)[1].split("\r")[0]
+    assert "compiling" not in last_train, last_train
     assert status_threads() == [] and not ours_registered()
 
 
