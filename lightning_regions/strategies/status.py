@@ -14,8 +14,9 @@ description; otherwise (no bar, ``enable_progress_bar=False``, a bar of another 
 output to a file) rank zero logs one line at the start and one every ``HEARTBEAT_S``
 while it goes on. The helper thread draws with each bar's own locking: tqdm's
 ``set_description_str`` redraws under tqdm's lock; Rich's ``Progress.update`` takes the
-progress's lock and ``RichProgressBar.refresh(hard=True)`` redraws under the live
-display's, the lock Lightning's own refresh thread takes. The compiling thread touches
+progress's lock and Rich's ``Progress.refresh`` redraws under the live display's, the
+lock Rich's own refresh thread takes (Lightning's ``RichProgressBar.refresh`` is not
+called: its signature differs between Lightning releases). The compiling thread touches
 neither bar until the end, when the helper thread has stopped and been joined.
 
 Between compiles, ``note`` keeps a few words after the bar's description (the
@@ -112,9 +113,7 @@ class RichSurface(BarSurface):
 
     def write(self, description: str) -> None:
         self.progress.update(self.task, description=description)
-        # Rich's own redraw now (its thread would wait up to a second); Lightning's
-        # ``refresh`` is not used: its signature differs between Lightning releases.
-        self.progress.refresh()
+        self.progress.refresh()  # now: Rich's own thread would wait up to a second
 
 
 class LogSurface:
