@@ -147,6 +147,32 @@ def test_the_child_reports_its_own_peak_memory_not_its_parents():
     assert own < parent - 512  # its own: torch imported, not the parent's GiB
 
 
+def test_the_child_starts_without_lightning_and_the_package_is_whole_when_asked():
+    """``entry.py`` imports the child without the package's ``__init__`` (so without
+    Lightning); a top-level name asked of the package later runs that ``__init__``."""
+    import subprocess
+    import sys
+
+    from lightning_regions.background import entry
+
+    code = (
+        "import sys; import lightning_regions.background.child; "
+        "print('lightning' in sys.modules); "
+        "from lightning_regions import TiedWeightsCheck, compile_regions; "
+        "print('lightning' in sys.modules, TiedWeightsCheck.__module__)"
+    )
+    bootstrap = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(entry.__file__)!r}); import entry; "
+        "del sys.path[0]; sys.modules['lightning_regions'] = entry.package_without_init(); "
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", bootstrap + code], capture_output=True, text=True, check=True
+    )
+    before, after = done.stdout.splitlines()
+    assert before == "False"  # the child's own imports: torch and the core, no Lightning
+    assert after == "True lightning_regions.diagnosis.tiecheck"
+
+
 def test_classes_defined_in_a_function_ship_by_value(tmp_path):
     class LocalBlock(nn.Module):  # no other process can import it: it travels by value
         def __init__(self) -> None:

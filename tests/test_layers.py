@@ -55,6 +55,7 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
             "background/threads",
             "background/shipment",
             "background/child",
+            "background/entry",
             "background/switch",
         ),
     ),

@@ -1,4 +1,4 @@
-"""The background child: ``python -m lightning_regions.background.child FOLDER PARENT``.
+"""The background child, started by ``entry.py`` (``python .../entry.py FOLDER PARENT``).
 
 It works in rounds, one child for the whole run. Round ``k`` reads
 ``FOLDER/shipment-k.pkl`` (written by the training process, in its own private folder),
@@ -33,7 +33,6 @@ import itertools
 import json
 import os
 import resource
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -201,10 +200,3 @@ def main(folder: str, parent: int) -> int:
         if not one_round(where, round).get("ok"):
             return 1
     return 0
-
-
-if __name__ == "__main__":
-    # run as the package's module, so that shipped objects' classes are this module's
-    from lightning_regions.background.child import main as child_main
-
-    sys.exit(child_main(sys.argv[1], int(sys.argv[2])))

@@ -159,8 +159,7 @@ class Child:
             process = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "lightning_regions.background.child",
+                    str(Path(__file__).with_name("entry.py")),  # not the package's __init__
                     str(where),
                     str(os.getpid()),  # the child watches this process
                 ],
